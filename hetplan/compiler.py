@@ -1,0 +1,191 @@
+"""The compile driver: MODEL + NODE + WORKLOAD + strategy -> Plan.
+
+The library function the CLI, ``hetplan check`` and the tests all call. Handles the choices
+around a solve (automatic weight dtype, the throughput objective's batch search, infeasibility
+diagnosis); the solving itself is in ``hetplan.solvers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from hetplan.errors import HetplanError, InfeasibleError
+from hetplan.evaluate import fits, make_plan
+from hetplan.hardware import HardwareSpec, load_node
+from hetplan.model import ModelSpec
+from hetplan.models import load_model
+from hetplan.plan import Plan
+from hetplan.problem import Problem, build_problem
+from hetplan.units import format_bytes, parse_bytes
+from hetplan.workload import Workload
+
+STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "stream")
+AUTO_DTYPES = ("q8_0", "q4_k_m")
+"""Tried in order when ``--weight-dtype auto`` finds the native dtype does not fit."""
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    model: str
+    hw: str
+    batch: int = 1
+    prompt_len: int = 512
+    gen_len: int = 128
+    objective: str = "latency"
+    strategy: str = "ilp"
+    weight_dtype: str = "auto"
+    kv_dtype: str | None = None
+    gpu_mem: str | None = None
+    cpu_mem: str | None = None
+    time_limit_s: float = 60.0
+    dump_lp: str | None = None
+    notes: list = field(default_factory=list, compare=False)
+    """Messages for the user (e.g. which dtype ``auto`` chose); filled while compiling."""
+
+    def cli_args(self) -> dict:
+        d = dataclasses.asdict(self)
+        for k in ("notes", "dump_lp"):
+            d.pop(k)
+        return d
+
+
+def parse_strategy(text: str) -> tuple[str, int | None]:
+    name, _, arg = text.partition(":")
+    if name not in STRATEGIES:
+        raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
+                           f"ilp, all-gpu, greedy, ngl[:N], stream")
+    if arg and name != "ngl":
+        raise HetplanError(f"--strategy {text}: only ngl takes an argument (ngl:N)")
+    if arg:
+        if not arg.isdigit():
+            raise HetplanError(f"--strategy {text}: N must be a non-negative integer")
+        return name, int(arg)
+    return name, None
+
+
+def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
+    hw = load_node(req.hw)
+    hw = hw.with_budgets(parse_bytes(req.gpu_mem, "--gpu-mem") if req.gpu_mem else None,
+                         parse_bytes(req.cpu_mem, "--cpu-mem") if req.cpu_mem else None)
+    dtype = None if req.weight_dtype == "auto" else req.weight_dtype
+    spec = load_model(req.model, dtype, req.kv_dtype)
+    return spec, hw
+
+
+def _workload(req: CompileRequest, batch: int | None = None) -> Workload:
+    return Workload(batch=batch or req.batch, prompt_len=req.prompt_len, gen_len=req.gen_len,
+                    objective=req.objective)
+
+
+def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest):
+    """Run one strategy on a problem -> (Decision, solver info dict)."""
+    from hetplan.solvers import baselines, ilp
+
+    if strategy == "ilp":
+        res = ilp.solve(problem, ilp.IlpOptions(time_limit_s=req.time_limit_s, dump_lp=req.dump_lp))
+        info = {"strategy": "ilp", "status": res.status, "mip_gap": res.mip_gap,
+                "options": {"time_limit_s": req.time_limit_s, "depths": list(ilp.IlpOptions().depths)},
+                "size": {"binaries": res.n_binaries, "constraints": res.n_constraints},
+                "milp_objective_s": res.objective_s}
+        return res.decision, info, res.solve_seconds
+    t0 = time.perf_counter()
+    dec = baselines.ngl(problem, arg) if strategy == "ngl" else baselines.BASELINES[strategy](problem)
+    name = strategy if arg is None else f"{strategy}:{arg}"
+    return dec, {"strategy": name, "status": "heuristic", "mip_gap": None, "options": {}}, time.perf_counter() - t0
+
+
+def compile_plan(req: CompileRequest) -> tuple[Plan, float]:
+    """Compile ``req`` -> (plan, solve seconds). Raises InfeasibleError with the missing bytes."""
+    strategy, arg = parse_strategy(req.strategy)
+    spec, hw = load_inputs(req)
+    if req.weight_dtype == "auto":
+        spec = _auto_dtype(spec, hw, _workload(req), req)
+    if req.objective == "throughput":
+        return _best_batch(spec, hw, req, strategy, arg)
+    return _compile_one(spec, hw, _workload(req), req, strategy, arg)
+
+
+def _compile_one(spec, hw, wl, req, strategy, arg) -> tuple[Plan, float]:
+    problem = build_problem(spec, hw, wl)
+    dec, info, secs = decide(problem, strategy, arg, req)
+    if dec is None:
+        raise InfeasibleError(diagnose(problem))
+    plan = make_plan(problem, dec, info, inputs={"model_source": req.model, "hw_source": req.hw,
+                                                  "cli_args": req.cli_args()})
+    if not fits(plan):
+        raise InfeasibleError(f"strategy {info['strategy']}: " + over_budget(plan))
+    return plan, secs
+
+
+def _best_batch(spec, hw, req, strategy, arg) -> tuple[Plan, float]:
+    """Throughput objective: batches 1, 2, 4, ... up to --batch; keep the most tokens/s."""
+    best, total, batch = None, 0.0, 1
+    while batch <= req.batch:
+        try:
+            plan, secs = _compile_one(spec, hw, _workload(req, batch), req, strategy, arg)
+        except InfeasibleError:
+            break
+        total += secs
+        if best is None or plan.predicted["throughput_tokens_per_s"] > best.predicted["throughput_tokens_per_s"]:
+            best = plan
+        batch *= 2
+    if best is None:
+        raise InfeasibleError(diagnose(build_problem(spec, hw, _workload(req, 1))))
+    return best, total
+
+
+def _auto_dtype(spec, hw, wl, req) -> ModelSpec:
+    """Keep the checkpoint's dtype when the model fits; else the widest of q8_0, q4_k_m that does."""
+    for dtype in (spec.weight_dtype,) + AUTO_DTYPES:
+        cand = spec.with_dtypes(weight_dtype=dtype, kv_dtype=req.kv_dtype or spec.kv_dtype)
+        if _fits_at_all(build_problem(cand, hw, wl)):
+            if dtype != spec.weight_dtype:
+                req.notes.append(f"weights do not fit in {spec.weight_dtype} "
+                                 f"({format_bytes(sum(b.weight_bytes for b in build_problem(spec, hw, wl).blocks))}); "
+                                 f"planning {dtype} (pass --weight-dtype to choose)")
+            return cand
+    return spec
+
+
+def _fits_at_all(problem: Problem) -> bool:
+    """A necessary condition for feasibility: everything fits in GPU + CPU together."""
+    need = sum(b.weight_bytes + b.kv_bytes for b in problem.blocks)
+    need += problem.gpu_workspace_bytes + problem.cpu_workspace_bytes
+    return need <= problem.gpu_budget_bytes + problem.cpu_budget_bytes and \
+        problem.cpu_workspace_bytes <= problem.cpu_budget_bytes
+
+
+def diagnose(problem: Problem) -> str:
+    """Say which tier lacks how many bytes, and what would fix it."""
+    weights = sum(b.weight_bytes for b in problem.blocks)
+    kv = sum(b.kv_bytes for b in problem.blocks)
+    ws = problem.gpu_workspace_bytes + problem.cpu_workspace_bytes
+    have = problem.gpu_budget_bytes + problem.cpu_budget_bytes
+    need = weights + kv + ws
+    spec, wl = problem.model, problem.workload
+    lines = [f"no placement fits: weights {format_bytes(weights)} ({spec.weight_dtype}) + KV cache "
+             f"{format_bytes(kv)} (batch {wl.batch} x {wl.context_len} tokens) + workspace {format_bytes(ws)}"
+             f" = {format_bytes(need)}, but GPU {format_bytes(problem.gpu_budget_bytes)} + CPU "
+             f"{format_bytes(problem.cpu_budget_bytes)} = {format_bytes(have)} are available"]
+    if need > have:
+        lines.append(f"missing {format_bytes(need - have)} in total. Fixes: a smaller weight dtype "
+                     f"(--weight-dtype q4_k_m needs about {format_bytes(weights * 4.85 / 8 / spec.weight_bytes_per_param)}),"
+                     f" a smaller batch or context (KV is {format_bytes(kv / max(1, wl.batch))} per sequence),"
+                     f" or more memory (--cpu-mem / --gpu-mem, or a bigger node)")
+    else:
+        lines.append("the CPU tier cannot hold what the GPU cannot: give it more DRAM (--cpu-mem) "
+                     "or use a smaller batch, context or weight dtype")
+    return "; ".join(lines)
+
+
+def over_budget(plan: Plan) -> str:
+    m = plan.memory
+    parts = []
+    for tier in ("gpu", "cpu"):
+        used, budget = m[f"{tier}_bytes"], m[f"{tier}_budget_bytes"]
+        if used > budget:
+            parts.append(f"{tier.upper()} needs {format_bytes(used - budget)} more "
+                         f"({format_bytes(used)} > budget {format_bytes(budget)})")
+    return "; ".join(parts) + ": use --strategy ilp, a smaller batch/context or weight dtype, or more memory"

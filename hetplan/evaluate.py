@@ -1,0 +1,99 @@
+"""Assemble a Plan from a Decision: schedule, memory per tier, predictions, bounds.
+
+Shared by every strategy so that plans differ only in what their solver decided.
+"""
+
+from __future__ import annotations
+
+from hetplan.bounds import phase_lower_bound_s
+from hetplan.graph import PHASES
+from hetplan.plan import Decision, Plan
+from hetplan.problem import Problem
+from hetplan.schedule import build_schedule
+
+
+def memory_report(problem: Problem, dec: Decision) -> dict:
+    """Bytes per tier: resident weights, KV cache, staging slots, workspace; and the budgets.
+
+    GPU: weights of ``gpu`` blocks + KV of ``gpu`` caches + depth * largest streamed block
+    + workspace. CPU: weights of ``cpu``/``stream`` blocks + KV of ``cpu`` caches + workspace."""
+    gpu_w = cpu_w = gpu_kv = cpu_kv = 0.0
+    slot = 0.0
+    for b in problem.blocks:
+        if dec.weights[b.name] == "gpu":
+            gpu_w += b.weight_bytes
+        else:
+            cpu_w += b.weight_bytes
+        if any(dec.exec[ph][b.name] == "stream" for ph in PHASES):
+            slot = max(slot, b.weight_bytes)
+        if b.kind == "attn":
+            if dec.kv[b.name] == "gpu":
+                gpu_kv += b.kv_bytes
+            else:
+                cpu_kv += b.kv_bytes
+    gpu = {"weights": gpu_w, "kv": gpu_kv, "staging": dec.depth * slot, "workspace": problem.gpu_workspace_bytes}
+    cpu = {"weights": cpu_w, "kv": cpu_kv, "workspace": problem.cpu_workspace_bytes}
+    return {"gpu_bytes": sum(gpu.values()), "gpu_budget_bytes": problem.gpu_budget_bytes,
+            "cpu_bytes": sum(cpu.values()), "cpu_budget_bytes": problem.cpu_budget_bytes,
+            "breakdown": {"gpu": gpu, "cpu": cpu}}, slot
+
+
+def predictions(problem: Problem, schedule: dict) -> dict:
+    wl, hw = problem.workload, problem.hw
+    ttft = schedule["prefill"].makespan_s
+    tpot = schedule["decode"].makespan_s
+    total = ttft + wl.gen_len * tpot
+    pred = {
+        "ttft_s": ttft, "tpot_s": tpot, "latency_s": total,
+        "decode_tokens_per_s": wl.batch / tpot,
+        "prefill_tokens_per_s": wl.batch * wl.prompt_len / ttft,
+        "throughput_tokens_per_s": wl.batch * wl.gen_len / total,
+        "lower_bound_ttft_s": phase_lower_bound_s(problem, "prefill"),
+        "lower_bound_tpot_s": phase_lower_bound_s(problem, "decode"),
+        "bottleneck": {ph: _bottleneck(schedule[ph]) for ph in PHASES},
+    }
+    if hw.price_per_hour:
+        pred["tokens_per_dollar"] = pred["throughput_tokens_per_s"] * 3600 / hw.price_per_hour
+    return pred
+
+
+def _bottleneck(sched) -> str:
+    busy = {}
+    for t in sched.tasks:
+        busy[t.resource] = busy.get(t.resource, 0.0) + t.duration_s
+    return max(sorted(busy), key=lambda r: busy[r])
+
+
+def objective_s(problem: Problem, pred: dict) -> float:
+    """The number the objective minimises, in seconds."""
+    obj = problem.workload.objective
+    if obj == "ttft":
+        return pred["ttft_s"]
+    if obj == "tpot":
+        return pred["tpot_s"]
+    return pred["latency_s"]
+
+
+def make_plan(problem: Problem, dec: Decision, solver: dict, inputs: dict | None = None) -> Plan:
+    schedule = build_schedule(problem, dec)
+    memory, slot = memory_report(problem, dec)
+    pred = predictions(problem, schedule)
+    placement = []
+    for b in problem.blocks:
+        placement.append({
+            "block": b.name, "kind": b.kind, "layer": b.layer, "weights": dec.weights[b.name],
+            "exec": {ph: dec.exec[ph][b.name] for ph in PHASES},
+            "kv": dec.kv.get(b.name) if b.kind == "attn" else None,
+            "experts_on_gpu": (problem.model.n_experts if dec.weights[b.name] == "gpu" else 0)
+            if b.kind == "moe" else None,
+            "weight_bytes": b.weight_bytes, "kv_bytes": b.kv_bytes,
+        })
+    solver = dict(solver, objective_s=objective_s(problem, pred))
+    return Plan(model=problem.model, hardware=problem.hw, workload=problem.workload, solver=solver,
+                placement=tuple(placement), staging={"depth": dec.depth, "slot_bytes": slot},
+                memory=memory, predicted=pred, schedule=schedule, inputs=inputs or {})
+
+
+def fits(plan: Plan) -> bool:
+    m = plan.memory
+    return m["gpu_bytes"] <= m["gpu_budget_bytes"] * (1 + 1e-9) and m["cpu_bytes"] <= m["cpu_budget_bytes"] * (1 + 1e-9)

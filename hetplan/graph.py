@@ -1,0 +1,137 @@
+"""The block graph: a model cut into placeable blocks, and each phase's chain of stages.
+
+A *block* is the unit of placement (``embed``, per layer ``attn_l`` and ``mlp_l``/``moe_l``,
+``head``): it owns weights that live in one tier. A *stage* is one compute task of a phase's
+forward pass; an attention block has three (``attn_in``: norm + QKV projections, ``attn_core``:
+attention over the KV cache, ``attn_out``: output projection + residual) so that decode
+attention can run where the KV cache lives while the projections run where the weights are.
+Stages form a chain (each consumes the previous one's activations).
+
+This module knows shapes, FLOPs and bytes; it knows nothing about machines or seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from hetplan import cost
+from hetplan.cost import Work
+from hetplan.model import ModelSpec
+from hetplan.workload import Workload
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    kind: str
+    """``embed``, ``attn``, ``mlp``, ``moe`` or ``head``."""
+    layer: int | None
+    weight_bytes: float
+    kv_bytes: float = 0.0
+    """KV cache of this attention block for the full context of every sequence."""
+    kv_bytes_per_token: float = 0.0
+    streamable: bool = True
+    """False for the embedding: a gather reads a few rows, streaming the table is never useful."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    block: str
+    kind: str
+    """``embed``, ``attn_in``, ``attn_core``, ``attn_out``, ``mlp``, ``moe`` or ``head``."""
+    work: Work
+    in_bytes: float
+    """Activation bytes entering this stage: what crosses PCIe when it runs on another device
+    than the previous stage."""
+    follows: str = "exec"
+    """Which decision places the stage: ``exec`` (where its block executes) or ``kv`` (where
+    its block's KV cache lives: decode attention runs beside the cache)."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}/{self.block}"
+
+
+@dataclass(frozen=True)
+class BlockGraph:
+    model: ModelSpec
+    workload: Workload
+    blocks: tuple
+    stages: dict
+    """phase -> tuple of Stage, in execution order."""
+
+    def block(self, name: str) -> Block:
+        return self._index()[name]
+
+    def _index(self) -> dict:
+        return {b.name: b for b in self.blocks}
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Blocks as nodes (with their attributes), data flow as edges."""
+        g = nx.DiGraph()
+        for b in self.blocks:
+            g.add_node(b.name, kind=b.kind, layer=b.layer, weight_bytes=b.weight_bytes)
+        nx.add_path(g, [b.name for b in self.blocks])
+        return g
+
+
+def block_graph(spec: ModelSpec, wl: Workload) -> BlockGraph:
+    """Cut ``spec`` into blocks and build the prefill and decode stage chains for ``wl``."""
+    wb = spec.weight_bytes_per_param
+    act = cost.activation_bytes_per_elem(spec)
+    kv_tok = spec.kv_bytes_per_token()
+    o_params = spec.attn_out_dim * spec.hidden + (spec.hidden if spec.attn_out_bias else 0)
+    blocks = [Block("embed", "embed", None, spec.embed_params() * wb, streamable=False)]
+    for l in range(spec.n_layers):
+        blocks.append(Block(f"attn_{l}", "attn", l, spec.attn_params() * wb,
+                            kv_bytes=wl.batch * wl.context_len * kv_tok, kv_bytes_per_token=kv_tok))
+        mlp_kind = "moe" if spec.is_moe_layer(l) else "mlp"
+        blocks.append(Block(f"{mlp_kind}_{l}", mlp_kind, l, spec.mlp_params(l) * wb))
+    blocks.append(Block("head", "head", None, spec.head_params() * wb))
+
+    qkv_bytes = (spec.q_dim + spec.kv_elems_per_token() * (1 if spec.is_mla else 1)) * act
+    stages = {}
+    for phase in PHASES:
+        tokens = wl.batch * (wl.prompt_len if phase == "prefill" else 1)
+        hidden_in = tokens * spec.hidden * act
+        chain = [Stage("embed", "embed", cost.embed_work(tokens, spec), 0.0)]
+        for b in blocks[1:-1]:
+            l = b.layer
+            if b.kind == "attn":
+                core = (cost.attention_prefill_work(wl.batch, wl.prompt_len, spec) if phase == "prefill"
+                        else cost.attention_decode_work(wl.batch, wl.decode_context_len, spec))
+                chain += [
+                    Stage(b.name, "attn_in", cost.linear_work(tokens, spec.attn_params() - o_params, spec,
+                                                              "attn_in"), hidden_in),
+                    Stage(b.name, "attn_core", core, tokens * qkv_bytes,
+                          follows="kv" if phase == "decode" else "exec"),
+                    Stage(b.name, "attn_out", cost.linear_work(tokens, o_params, spec, "attn_out"),
+                          tokens * spec.attn_out_dim * act),
+                ]
+            elif b.kind == "moe":
+                chain.append(Stage(b.name, "moe", cost.moe_work(tokens, spec), hidden_in))
+            else:
+                chain.append(Stage(b.name, "mlp", cost.linear_work(tokens, spec.mlp_params(l), spec, "mlp"),
+                                   hidden_in))
+        # Only the last position of each sequence needs logits.
+        chain.append(Stage("head", "head", cost.linear_work(wl.batch, spec.head_params(), spec, "head"),
+                           wl.batch * spec.hidden * act))
+        stages[phase] = tuple(chain)
+    return BlockGraph(spec, wl, tuple(blocks), stages)
+
+
+def workspace_bytes(spec: ModelSpec, wl: Workload) -> float:
+    """Peak activation workspace of a forward pass on one device: the prefill's widest
+    intermediate (T * max(q+k+v, 2 * mlp width, 3 * hidden) elements, T = batch * prompt),
+    attention scores for one layer (batch * heads * P * P, fp32) and the logits
+    (batch * vocab, fp32)."""
+    act = cost.activation_bytes_per_elem(spec)
+    t = wl.batch * wl.prompt_len
+    width = max(spec.q_dim + spec.kv_elems_per_token(), 2 * max(spec.intermediate,
+                spec.moe_intermediate * max(1, spec.experts_per_token)), 3 * spec.hidden)
+    scores = wl.batch * spec.n_heads * wl.prompt_len * wl.prompt_len * 4
+    return t * (width + 2 * spec.hidden) * act + scores + wl.batch * spec.vocab * 4

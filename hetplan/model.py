@@ -1,0 +1,219 @@
+"""ModelSpec: the shape of a decoder-only transformer, and nothing about where it runs.
+
+A spec is built from a Hugging Face ``config.json`` (``hetplan.hf_config``), a preset name
+(``hetplan.presets.models``) or an ONNX graph. Derived sizes (parameters per block, KV bytes per
+token) are properties, never stored. Index names: ``l`` is a layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from hetplan.dtypes import bytes_per_element, check_dtype
+from hetplan.errors import HetplanError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gpt2", "mixtral", "qwen3_moe", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    """Human name (preset name or the config's ``_name_or_path``)."""
+    arch: str
+    """Family, one of ``FAMILIES``; selects the runtime implementation."""
+    n_layers: int
+    hidden: int
+    intermediate: int
+    """Dense MLP width (SwiGLU: per gate/up projection; GELU/ReLU: the single hidden width)."""
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    tie_embeddings: bool = False
+    norm: str = "rmsnorm"
+    """``rmsnorm`` or ``layernorm``."""
+    norm_eps: float = 1e-6
+    act: str = "silu"
+    gated_mlp: bool = True
+    """SwiGLU-style gate+up+down (True) or up+down (False)."""
+    pos: str = "rope"
+    """``rope`` or ``learned`` (absolute position embeddings, opt/gpt2)."""
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attn_bias: bool = False
+    """Bias on q/k/v projections (qwen2, opt, gpt2)."""
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (qwen3)."""
+    # Mixture of experts (0 experts = dense).
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    n_shared_experts: int = 0
+    first_dense_layers: int = 0
+    """Leading layers with a dense MLP (deepseek ``first_k_dense_replace``)."""
+    # Multi-head latent attention (deepseek); 0 = standard attention.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    weight_dtype: str = "fp16"
+    kv_dtype: str = "fp16"
+    extra: dict = field(default_factory=dict)
+    """Family-specific settings the runtime needs but costs do not (e.g. opt's
+    ``word_embed_proj_dim``); part of the fingerprint."""
+
+    def __post_init__(self):
+        if self.arch not in FAMILIES:
+            raise HetplanError(f"model_type: unsupported architecture {self.arch!r}; "
+                               f"supported: {', '.join(FAMILIES)}")
+        for key in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab", "max_positions"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                raise HetplanError(f"{key}: must be a positive integer, got {getattr(self, key)!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise HetplanError(f"num_key_value_heads: {self.n_kv_heads} does not divide "
+                               f"num_attention_heads {self.n_heads}")
+        if self.is_moe and not 0 < self.experts_per_token <= self.n_experts:
+            raise HetplanError(f"num_experts_per_tok: must be in 1..{self.n_experts}, "
+                               f"got {self.experts_per_token}")
+        check_dtype(self.weight_dtype, "weight_dtype")
+        check_dtype(self.kv_dtype, "kv_dtype")
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, l: int) -> bool:
+        return self.is_moe and l >= self.first_dense_layers
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        return bytes_per_element(self.weight_dtype)
+
+    @property
+    def kv_bytes_per_elem(self) -> float:
+        return bytes_per_element(self.kv_dtype)
+
+    @property
+    def q_dim(self) -> int:
+        if self.is_mla:
+            return self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        return self.n_heads * self.head_dim
+
+    @property
+    def attn_out_dim(self) -> int:
+        return self.n_heads * (self.v_head_dim if self.is_mla else self.head_dim)
+
+    def attn_params(self) -> int:
+        """Weights of one attention block: projections, biases, norms."""
+        d = self.hidden
+        if self.is_mla:
+            qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.n_heads * qk_head
+                 if self.q_lora_rank else d * self.n_heads * qk_head)
+            kv = (d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+                  + self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim))
+            return q + kv + self.attn_out_dim * d + d
+        kv_dim = self.n_kv_heads * self.head_dim
+        p = d * self.q_dim + 2 * d * kv_dim + self.attn_out_dim * d
+        if self.attn_bias:
+            p += self.q_dim + 2 * kv_dim
+        if self.attn_out_bias:
+            p += d
+        if self.qk_norm:
+            p += 2 * self.head_dim
+        return p + d * (2 if self.norm == "layernorm" else 1)
+
+    def dense_mlp_params(self) -> int:
+        d, f = self.hidden, self.intermediate
+        p = (3 if self.gated_mlp else 2) * d * f
+        if self.mlp_bias:
+            p += f + d
+        return p + d * (2 if self.norm == "layernorm" else 1)
+
+    def expert_params(self) -> int:
+        """One routed expert (SwiGLU of width ``moe_intermediate``)."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    def moe_shared_params(self) -> int:
+        """Router, shared experts and the layer norm of an MoE layer."""
+        return (self.hidden * self.n_experts + self.n_shared_experts * self.expert_params()
+                + self.hidden)
+
+    def mlp_params(self, l: int) -> int:
+        """All weights of layer ``l``'s MLP block (every expert of an MoE layer)."""
+        if self.is_moe_layer(l):
+            return self.moe_shared_params() + self.n_experts * self.expert_params()
+        return self.dense_mlp_params()
+
+    def mlp_active_params(self, l: int) -> int:
+        """Weights one token multiplies with in layer ``l``'s MLP block."""
+        if self.is_moe_layer(l):
+            return self.moe_shared_params() + self.experts_per_token * self.expert_params()
+        return self.dense_mlp_params()
+
+    def embed_params(self) -> int:
+        p = self.vocab * self.hidden
+        if self.pos == "learned":
+            p += self.max_positions * self.hidden
+        return p
+
+    def head_params(self) -> int:
+        """lm_head and the final norm; a tied head still costs its bytes where it computes."""
+        return self.vocab * self.hidden + self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    def total_params(self) -> int:
+        p = self.embed_params() + self.head_params()
+        if self.tie_embeddings:
+            p -= self.vocab * self.hidden
+        return p + sum(self.attn_params() + self.mlp_params(l) for l in range(self.n_layers))
+
+    def kv_elems_per_token(self) -> int:
+        """KV-cache elements per token per layer: 2 * kv_heads * head_dim, or MLA's latent."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.n_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes per token per layer, in the KV dtype."""
+        return self.kv_elems_per_token() * self.kv_bytes_per_elem
+
+    def with_dtypes(self, weight_dtype: str | None = None, kv_dtype: str | None = None) -> "ModelSpec":
+        return dataclasses.replace(self, weight_dtype=weight_dtype or self.weight_dtype,
+                                   kv_dtype=kv_dtype or self.kv_dtype)
+
+    # -- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["fingerprint"] = self.fingerprint()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names - {"fingerprint"}
+        if unknown:
+            raise HetplanError(f"model: unknown keys {sorted(unknown)}")
+        spec = cls(**{k: v for k, v in d.items() if k in names})
+        if "fingerprint" in d and d["fingerprint"] != spec.fingerprint():
+            raise HetplanError("model.fingerprint does not match the model's fields: the plan was "
+                               "edited or truncated; recompile it with `hetplan compile`")
+        return spec
+
+    def fingerprint(self) -> str:
+        """sha256 over every shape-determining field (16 hex digits)."""
+        d = dataclasses.asdict(self)
+        d.pop("name")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,195 @@
+"""The plan: what hetplan decided, and the vocabulary every other module speaks.
+
+Vocabulary (written once, here):
+
+- *block*: the unit of placement (``embed``, ``attn_l``, ``mlp_l``/``moe_l``, ``head``); it owns weights.
+- *stage*: one compute task of a forward pass (an attention block has ``attn_in``,
+  ``attn_core``, ``attn_out``); stages form a chain.
+- *tier*: where bytes live: ``gpu`` (HBM) or ``cpu`` (DRAM).
+- *device*: where compute runs: ``gpu`` or ``cpu``.
+- *resource*: a serial queue of the timeline: ``gpu`` and ``cpu`` (compute), ``h2d`` (weight
+  loads) and ``d2h`` (prompt KV leaving the GPU) on the copy engines, and ``h2d_act``/``d2h_act``
+  (activation copies between stages, on their own high-priority streams).
+- *phase*: ``prefill`` (the prompt, gives TTFT) or ``decode`` (one token per sequence, gives TPOT).
+- a block's *weights* are ``gpu`` (resident in HBM), ``cpu`` (in DRAM, computed on the CPU) or
+  ``stream`` (in pinned DRAM, copied into a GPU staging slot before use in at least one phase);
+  its *exec* per phase is ``gpu``, ``cpu`` or ``stream``; an attention block's *kv* is ``gpu``
+  or ``cpu`` (decode attention then runs on the CPU).
+
+A plan is data: frozen dataclasses with ``to_json``/``from_json`` and a schema version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetplan.errors import HetplanError
+from hetplan.hardware import HardwareSpec
+from hetplan.model import ModelSpec
+from hetplan.workload import Workload
+
+SCHEMA_VERSION = 1
+RESOURCES = ("gpu", "cpu", "h2d", "d2h", "h2d_act", "d2h_act")
+TIERS = ("gpu", "cpu")
+WEIGHTS = ("gpu", "cpu", "stream")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a solver decides; everything else in a plan is derived from it."""
+    weights: dict
+    """block -> ``gpu`` | ``cpu`` | ``stream``."""
+    exec: dict
+    """phase -> block -> ``gpu`` | ``cpu`` | ``stream``."""
+    kv: dict
+    """attention block -> ``gpu`` | ``cpu``."""
+    depth: int = 2
+    """Staging-buffer slots for streamed weights: a block's weights may be copied at most
+    ``depth`` blocks ahead of use (1 = synchronous, as Accelerate's hooks do)."""
+
+    def device(self, phase: str, block: str) -> str:
+        return "cpu" if self.exec[phase][block] == "cpu" else "gpu"
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    resource: str
+    block: str
+    kind: str
+    """A stage kind (``embed``, ``attn_in``, ``attn_core``, ``attn_out``, ``mlp``, ``moe``,
+    ``head``) or a transfer: ``load`` (weights h2d), ``act_up``, ``act_down``, ``kv_down``."""
+    duration_s: float
+    start_s: float = 0.0
+    end_s: float = 0.0
+    bytes: float = 0.0
+    flops: float = 0.0
+    slot: int | None = None
+    """Staging slot of a ``load`` and of the compute tasks that read it."""
+
+
+@dataclass(frozen=True)
+class PhaseSchedule:
+    tasks: tuple
+    """Tasks in queue order: each resource runs its tasks in the order they appear here."""
+    edges: tuple
+    """(src id, dst id) dependencies: data, weight arrival and staging-slot reuse."""
+
+    @property
+    def makespan_s(self) -> float:
+        return max((t.end_s for t in self.tasks), default=0.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    hardware: HardwareSpec
+    workload: Workload
+    solver: dict
+    """strategy, status, mip_gap, objective_s, options."""
+    placement: tuple
+    """One dict per block: block, kind, layer, weights, exec {prefill, decode}, kv,
+    experts_on_gpu, weight_bytes, kv_bytes."""
+    staging: dict
+    """depth, slot_bytes."""
+    memory: dict
+    predicted: dict
+    schedule: dict
+    """phase -> PhaseSchedule."""
+    inputs: dict = field(default_factory=dict)
+
+    def decision(self) -> Decision:
+        return Decision(weights={p["block"]: p["weights"] for p in self.placement},
+                        exec={ph: {p["block"]: p["exec"][ph] for p in self.placement}
+                              for ph in ("prefill", "decode")},
+                        kv={p["block"]: p["kv"] for p in self.placement if p["kv"] is not None},
+                        depth=self.staging["depth"])
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model.to_dict(),
+            "hardware": self.hardware.to_dict(),
+            "workload": self.workload.to_dict(),
+            "solver": self.solver,
+            "placement": list(self.placement),
+            "staging": self.staging,
+            "memory": self.memory,
+            "predicted": self.predicted,
+            "schedule": {ph: {"tasks": [t.__dict__ for t in s.tasks], "edges": [list(e) for e in s.edges]}
+                         for ph, s in self.schedule.items()},
+            "inputs": self.inputs,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(_rounded(self.to_dict()), sort_keys=True, indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "plan.json") -> "Plan":
+        if not isinstance(d, dict) or "schema_version" not in d:
+            raise HetplanError(f"{source}: not a hetplan plan (no schema_version)")
+        v = d["schema_version"]
+        if not isinstance(v, int) or v > SCHEMA_VERSION:
+            raise HetplanError(f"{source}: schema_version {v!r} is newer than this hetplan understands "
+                               f"({SCHEMA_VERSION}); upgrade hetplan or recompile the plan")
+        try:
+            sched = {ph: PhaseSchedule(tuple(Task(**t) for t in s["tasks"]),
+                                       tuple(tuple(e) for e in s["edges"]))
+                     for ph, s in d["schedule"].items()}
+            return cls(model=ModelSpec.from_dict(d["model"]), hardware=HardwareSpec.from_dict(d["hardware"]),
+                       workload=Workload(**d["workload"]), solver=d["solver"],
+                       placement=tuple(d["placement"]), staging=d["staging"], memory=d["memory"],
+                       predicted=d["predicted"], schedule=sched, inputs=d.get("inputs", {}))
+        except HetplanError as e:
+            raise HetplanError(f"{source}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise HetplanError(f"{source}: malformed plan ({type(e).__name__}: {e}); "
+                               f"recompile it with `hetplan compile`") from None
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan.json") -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HetplanError(f"{source}:{e.lineno}:{e.colno}: malformed JSON ({e.msg}); the plan "
+                               f"may be truncated: recompile it") from None
+        return cls.from_dict(d, source)
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise HetplanError(f"{p}: no such plan file")
+    return Plan.from_json(p.read_text(), source=str(p))
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename: readers never see half a file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _rounded(x):
+    """Round floats to 10 significant digits so plans are byte-stable across platforms."""
+    if isinstance(x, float):
+        return float(f"{x:.10g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x

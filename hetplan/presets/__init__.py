@@ -1,0 +1,1 @@
+"""Built-in presets: model configs (``models``) and machines (``nodes``)."""

@@ -1,0 +1,106 @@
+"""A planning problem: a block graph priced on one machine, plus the memory budgets.
+
+``Problem`` is what every solver reads: per stage its time on the GPU and on the CPU, the time
+to move its input activations each way, per block the time to stream its weights, and the
+budgets. Pure numbers; derived once, shared by the ILP, the baselines and the plan builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetplan import cost
+from hetplan.errors import HetplanError
+from hetplan.graph import PHASES, BlockGraph, Stage, block_graph, workspace_bytes
+from hetplan.hardware import HardwareSpec
+from hetplan.model import ModelSpec
+from hetplan.workload import Workload
+
+
+@dataclass(frozen=True)
+class StageCost:
+    stage: Stage
+    gpu_s: float
+    cpu_s: float
+    up_s: float
+    """h2d time of the stage's input activations (when the previous stage ran on the CPU)."""
+    down_s: float
+    """d2h time of the stage's input activations (when the previous stage ran on the GPU)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    graph: BlockGraph
+    hw: HardwareSpec
+    stages: dict
+    """phase -> tuple of StageCost, in chain order."""
+    load_s: dict
+    """block -> h2d time of its weights (streaming)."""
+    kv_down_s: dict
+    """attention block -> d2h time of the prompt's KV (prefill on the GPU, cache in DRAM)."""
+    gpu_budget_bytes: float
+    cpu_budget_bytes: float
+    gpu_workspace_bytes: float
+    cpu_workspace_bytes: float
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.graph.model
+
+    @property
+    def workload(self) -> Workload:
+        return self.graph.workload
+
+    @property
+    def blocks(self) -> tuple:
+        return self.graph.blocks
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.hw.gpu is not None
+
+
+def price(graph: BlockGraph, hw: HardwareSpec, profile=None) -> Problem:
+    """Attach seconds to every stage and transfer of ``graph`` on ``hw``.
+
+    ``profile`` (a ``hetplan.profile_table.ProfileTable``) overrides analytic compute times with
+    measured ones where it has the op."""
+    spec = graph.model
+    has_gpu = hw.gpu is not None
+
+    def seconds(device: str, st: Stage) -> float:
+        if profile is not None:
+            t = profile.seconds(device, st.work, spec)
+            if t is not None:
+                return t
+        if device == "gpu":
+            return cost.gpu_seconds(st.work, spec, hw) if has_gpu else float("inf")
+        return cost.cpu_seconds(st.work, spec, hw)
+
+    stages = {}
+    for phase in PHASES:
+        stages[phase] = tuple(
+            StageCost(st, seconds("gpu", st), seconds("cpu", st),
+                      cost.h2d_seconds(st.in_bytes, hw) if has_gpu and st.in_bytes else 0.0,
+                      cost.d2h_seconds(st.in_bytes, hw) if has_gpu and st.in_bytes else 0.0)
+            for st in graph.stages[phase])
+    wl = graph.workload
+    load_s = {b.name: cost.h2d_seconds(b.weight_bytes, hw) for b in graph.blocks} if has_gpu else {}
+    kv_down_s = {b.name: cost.d2h_seconds(wl.batch * wl.prompt_len * b.kv_bytes_per_token, hw)
+                 for b in graph.blocks if b.kind == "attn"} if has_gpu else {}
+    ws = workspace_bytes(spec, wl)
+    return Problem(graph, hw, stages, load_s, kv_down_s,
+                   gpu_budget_bytes=float(hw.gpu_budget_bytes()), cpu_budget_bytes=float(hw.cpu_budget_bytes()),
+                   gpu_workspace_bytes=ws if has_gpu else 0.0, cpu_workspace_bytes=ws)
+
+
+def build_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, profile=None) -> Problem:
+    if wl.context_len > spec.max_positions:
+        raise HetplanError(f"--prompt-len + --gen-len = {wl.context_len} exceeds the model's "
+                           f"max_position_embeddings ({spec.max_positions})")
+    if spec.extra.get("source") == "onnx":
+        from hetplan.onnx_graph import onnx_block_graph  # only for models imported from ONNX
+        graph = onnx_block_graph(spec, wl)
+    else:
+        graph = block_graph(spec, wl)
+    return price(graph, hw, profile)

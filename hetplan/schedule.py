@@ -1,0 +1,111 @@
+"""Turn a solver's Decision into the plan's task DAG, its timeline and its memory.
+
+One rule set, used for every strategy: which tasks exist (stages on their devices, activation
+copies where consecutive stages change device, weight loads of streamed blocks, the prompt's KV
+copied down when the cache lives in DRAM), the order of tasks on each resource, and the
+dependency edges. Times are the earliest start of each task given both (a longest path).
+The ILP encodes the same rules as constraints in its own code; the simulator replays the result
+independently.
+
+Queue order on ``h2d`` (weight loads): block order; the load of block j + depth is issued when
+block j finishes and frees a staging slot (the first ``depth`` loads at once). On ``d2h``: the
+prompt-KV downloads, in stage order. Activation copies between stages on different devices are a
+few KB to MB and ride their own lanes (``h2d_act``, ``d2h_act``: separate high-priority streams),
+so they never queue behind a prefetch of a whole block.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from hetplan.graph import PHASES
+from hetplan.plan import Decision, PhaseSchedule, Task
+from hetplan.problem import Problem
+
+
+def stage_device(dec: Decision, phase: str, stage) -> str:
+    if stage.follows == "kv":
+        return dec.kv[stage.block]
+    return dec.device(phase, stage.block)
+
+
+def streamed_slots(problem: Problem, dec: Decision, phase: str) -> dict:
+    """block -> staging slot, round-robin over the blocks streamed in ``phase``."""
+    streamed = [b.name for b in problem.blocks if dec.exec[phase][b.name] == "stream"]
+    return {name: i % dec.depth for i, name in enumerate(streamed)}
+
+
+def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
+    costs = problem.stages[phase]
+    names = [b.name for b in problem.blocks]
+    index = {n: i for i, n in enumerate(names)}
+    slots = streamed_slots(problem, dec, phase)
+    compute, acts, h2d, d2h, edges = [], [], [], [], []
+    last_stage = {}   # block -> id of its last stage
+    first_stage = {}  # block -> id of its first stage
+    prev_id, prev_dev = None, None
+    for sc in costs:
+        st = sc.stage
+        dev = stage_device(dec, phase, st)
+        w = st.work
+        t = Task(id=st.id, resource=dev, block=st.block, kind=st.kind,
+                 duration_s=sc.gpu_s if dev == "gpu" else sc.cpu_s, bytes=w.bytes, flops=w.flops,
+                 slot=slots.get(st.block) if dev == "gpu" and st.follows == "exec" else None)
+        first_stage.setdefault(st.block, t.id)
+        last_stage[st.block] = t.id
+        if prev_id is not None:
+            if prev_dev == dev:
+                edges.append((prev_id, t.id))
+            else:
+                kind = "act_up" if dev == "gpu" else "act_down"
+                x = Task(id=f"{kind}/{st.id}", resource="h2d_act" if dev == "gpu" else "d2h_act",
+                         block=st.block, kind=kind, duration_s=sc.up_s if dev == "gpu" else sc.down_s,
+                         bytes=st.in_bytes)
+                acts.append(x)
+                edges += [(prev_id, x.id), (x.id, t.id)]
+        compute.append(t)
+        if (phase == "prefill" and st.kind == "attn_core" and dev == "gpu" and dec.kv[st.block] == "cpu"):
+            b = problem.graph.block(st.block)
+            kv = Task(id=f"kv_down/{st.block}", resource="d2h", block=st.block, kind="kv_down",
+                      duration_s=problem.kv_down_s[st.block],
+                      bytes=problem.workload.batch * problem.workload.prompt_len * b.kv_bytes_per_token)
+            d2h.append(kv)
+            edges.append((t.id, kv.id))
+        prev_id, prev_dev = t.id, dev
+
+    def load(name):
+        b = problem.graph.block(name)
+        t = Task(id=f"load/{name}", resource="h2d", block=name, kind="load",
+                 duration_s=problem.load_s[name], bytes=b.weight_bytes, slot=slots[name])
+        edges.append((t.id, first_stage[name]))
+        i = index[name]
+        if i >= dec.depth:
+            edges.append((last_stage[names[i - dec.depth]], t.id))
+        return t
+
+    d = dec.depth
+    h2d += [load(n) for n in names if n in slots]
+    return PhaseSchedule(tuple(_timed(compute + acts + h2d + d2h, edges)), tuple(edges))
+
+
+def _timed(tasks: list, edges: list) -> list:
+    """Earliest start of every task: after its DAG predecessors and its resource predecessor
+    (the previous task of the same resource in list order)."""
+    g = nx.DiGraph()
+    g.add_nodes_from(t.id for t in tasks)
+    g.add_edges_from(edges)
+    last = {}
+    for t in tasks:
+        if t.resource in last:
+            g.add_edge(last[t.resource], t.id)
+        last[t.resource] = t.id
+    by_id = {t.id: t for t in tasks}
+    end = {}
+    for tid in nx.lexicographical_topological_sort(g):
+        start = max((end[p] for p in g.predecessors(tid)), default=0.0)
+        end[tid] = start + by_id[tid].duration_s
+    return [Task(**{**t.__dict__, "start_s": end[t.id] - t.duration_s, "end_s": end[t.id]}) for t in tasks]
+
+
+def build_schedule(problem: Problem, dec: Decision) -> dict:
+    return {phase: build_phase(problem, dec, phase) for phase in PHASES}
