@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import click
 
@@ -47,8 +48,19 @@ def cli():
 
 
 def main(argv=None) -> int:
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        return _main(argv)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning (e.g. a profile measured on another machine) as one line on stderr, like errors."""
+    click.echo(f"hetplan: warning: {message}", err=True)
+
+
+def _main(argv=None) -> int:
     try:
-        cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
+        rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
     except HetplanError as e:
         click.echo(f"hetplan: error: {e}", err=True)
         return 2
@@ -63,7 +75,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         click.echo("hetplan: interrupted", err=True)
         return 130
-    return 0
+    return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(code) lands here
 
 
 if __name__ == "__main__":

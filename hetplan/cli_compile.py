@@ -1,37 +1,109 @@
-"""``hetplan compile``: MODEL + NODE -> plan.json."""
+"""``hetplan compile``: MODEL + NODE + workload -> plan.json (and, on request, the baselines beside it).
+
+A thin shell over ``hetplan.compiler.compile_plan`` and ``hetplan.compare.compare``: parse
+options, write the plan atomically, print a summary (or one JSON object with ``--json``).
+Notes for the user (e.g. which dtype ``--weight-dtype auto`` chose) always go to stderr.
+"""
 
 from __future__ import annotations
+
+import json
 
 import click
 
 from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.plan import write_atomic
+from hetplan.units import format_bytes, format_seconds
+
+_DTYPES = ", ".join(BITS_PER_ELEMENT)
+
+_EPILOG = """\b
+Examples:
+  hetplan compile llama-3.1-70b --hw rtx4090-64g -o plan.json
+  hetplan compile ./Llama-3.1-8B/config.json --hw node.yaml --prompt-len 4096 --compare
+  hetplan compile mixtral-8x7b --hw rtx4090-64g --strategy ngl:16 --json
+  hetplan compile opt-30b --hw t4-208g --objective throughput --batch 64
+"""
 
 
-@click.command("compile")
+@click.command("compile", epilog=_EPILOG)
 @click.argument("model")
-@click.option("--hw", "hw", required=True, help="Node preset name or node.yaml path.")
-@click.option("-o", "--output", default="plan.json", show_default=True, help="Where to write the plan.")
-@click.option("--strategy", default="ilp", show_default=True, help="ilp | all-gpu | greedy | ngl[:N] | stream")
+@click.option("--hw", "hw", required=True, metavar="NODE",
+              help="Machine: a node preset name (e.g. rtx4090-64g) or a node.yaml path.")
+@click.option("-o", "--output", default="plan.json", show_default=True, metavar="FILE",
+              help="Where to write the plan (written atomically; byte-identical for identical inputs).")
+@click.option("--strategy", default="ilp", show_default=True, metavar="NAME",
+              help="ilp (exact MILP), all-gpu, greedy (Accelerate device_map=auto), ngl[:N] "
+                   "(llama.cpp -ngl; N omitted = most layers that fit), stream (FlexGen-style).")
 @click.option("--objective", default="latency", show_default=True,
-              type=click.Choice(["latency", "ttft", "tpot", "throughput"]))
-@click.option("--batch", default=1, show_default=True, type=int)
-@click.option("--prompt-len", default=512, show_default=True, type=int)
-@click.option("--gen-len", default=128, show_default=True, type=int)
-@click.option("--weight-dtype", default="auto", show_default=True)
-@click.option("--kv-dtype", default=None)
-@click.option("--gpu-mem", default=None)
-@click.option("--cpu-mem", default=None)
+              type=click.Choice(["latency", "ttft", "tpot", "throughput"]),
+              help="What to minimise: latency = TTFT + gen-len x TPOT; ttft; tpot; throughput = "
+                   "generated tokens/s, searching batch 1, 2, 4, ... up to --batch.")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="Sequences decoded together (the largest batch tried with --objective throughput).")
+@click.option("--prompt-len", default=512, show_default=True, type=int, metavar="TOKENS",
+              help="Prompt tokens per sequence (prefill).")
+@click.option("--gen-len", default=128, show_default=True, type=int, metavar="TOKENS",
+              help="Generated tokens per sequence; the KV cache is sized for prompt + gen tokens.")
+@click.option("--weight-dtype", default="auto", show_default=True, metavar="DTYPE",
+              help=f"Weight storage dtype: auto (the checkpoint's dtype if everything fits in GPU + CPU "
+                   f"memory, else q8_0, else q4_k_m) or one of {_DTYPES}.")
+@click.option("--kv-dtype", default=None, metavar="DTYPE",
+              help="KV cache dtype (default: the model's compute dtype, e.g. bf16).")
+@click.option("--gpu-mem", default=None, metavar="SIZE",
+              help="Usable GPU memory, replacing the node's (total - reserve), e.g. 20GiB or 16GB.")
+@click.option("--cpu-mem", default=None, metavar="SIZE",
+              help="Usable CPU memory, replacing the node's (total - reserve), e.g. 48GiB.")
+@click.option("--time-limit", "time_limit_s", default=60.0, show_default=True, type=float, metavar="SECONDS",
+              help="ILP time limit per staging depth; when hit, the best plan found is kept and its "
+                   "status says time_limit_reached with the MIP gap.")
+@click.option("--dump-lp", default=None, metavar="FILE",
+              help="Also write the MILP in LP format, one file per staging depth tried "
+                   "(model.lp -> model.depth1.lp, model.depth2.lp).")
+@click.option("--compare", is_flag=True,
+              help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N, stream) on "
+                   "the same model, machine and workload: TTFT, TPOT, memory, fits?, ratio.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (path, predicted, memory, solver with solve_seconds, notes"
+                   "[, compare]) to stdout and nothing else there.")
 def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, weight_dtype, kv_dtype,
-            gpu_mem, cpu_mem):
-    """Plan MODEL (a preset, a config.json or a directory holding one) on NODE."""
+            gpu_mem, cpu_mem, time_limit_s, dump_lp, compare, as_json):
+    """Plan MODEL on a machine and write the plan.
+
+    MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
+    one, or an .onnx file."""
+    if time_limit_s <= 0:
+        raise click.BadParameter("must be a positive number of seconds", param_hint="--time-limit")
     req = CompileRequest(model=model, hw=hw, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
                          objective=objective, strategy=strategy, weight_dtype=weight_dtype,
-                         kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem)
-    plan, secs = compile_plan(req)
+                         kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
+                         dump_lp=dump_lp)
+    plan, solve_s = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)
     write_atomic(output, plan.to_json())
-    p = plan.predicted
-    click.echo(f"wrote {output}: TTFT {p['ttft_s']:.4f} s, TPOT {p['tpot_s']:.4f} s "
-               f"({plan.solver['strategy']}, {plan.solver['status']}, {secs:.2f} s)")
+    rows = None
+    if compare:
+        from hetplan.compare import compare as compare_plans
+        rows = compare_plans(plan, req)
+    if as_json:
+        doc = {"path": str(output), "predicted": plan.predicted, "memory": plan.memory,
+               "solver": dict(plan.solver, solve_seconds=solve_s), "notes": list(req.notes)}
+        if rows is not None:
+            from hetplan.compare import compare_dicts
+            doc["compare"] = compare_dicts(rows)
+        click.echo(json.dumps(doc, sort_keys=True))
+        return
+    p, m, s = plan.predicted, plan.memory, plan.solver
+    gap = "" if s.get("mip_gap") is None else f", gap {100 * s['mip_gap']:.2g}%"
+    tiers = ("gpu", "cpu") if plan.hardware.gpus else ("cpu",)
+    memory = ", ".join(f"{t.upper()} {format_bytes(m[f'{t}_bytes'])} / {format_bytes(m[f'{t}_budget_bytes'])}"
+                       for t in tiers)
+    click.echo(f"wrote {output}: TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])} "
+               f"({p['decode_tokens_per_s']:.2f} tok/s), {memory}  [{s['strategy']}, {s['status']}{gap}, "
+               f"solved in {solve_s:.2f} s]")
+    if rows is not None:
+        from hetplan.report import compare_table
+        click.echo("")
+        click.echo(compare_table(rows))

@@ -12,12 +12,13 @@ import time
 from dataclasses import dataclass, field
 
 from hetplan.errors import HetplanError, InfeasibleError
-from hetplan.evaluate import fits, make_plan
+from hetplan.evaluate import fits, make_plan, memory_report, objective_s, predictions
 from hetplan.hardware import HardwareSpec, load_node
 from hetplan.model import ModelSpec
 from hetplan.models import load_model
 from hetplan.plan import Plan
 from hetplan.problem import Problem, build_problem
+from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
 from hetplan.workload import Workload
 
@@ -40,6 +41,7 @@ class CompileRequest:
     gpu_mem: str | None = None
     cpu_mem: str | None = None
     time_limit_s: float = 60.0
+    max_nodes: int = 400
     dump_lp: str | None = None
     notes: list = field(default_factory=list, compare=False)
     """Messages for the user (e.g. which dtype ``auto`` chose); filled while compiling."""
@@ -80,20 +82,45 @@ def _workload(req: CompileRequest, batch: int | None = None) -> Workload:
 
 
 def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest):
-    """Run one strategy on a problem -> (Decision, solver info dict)."""
+    """Run one strategy on a problem -> (Decision or None, solver info dict, solve seconds)."""
     from hetplan.solvers import baselines, ilp
 
-    if strategy == "ilp":
-        res = ilp.solve(problem, ilp.IlpOptions(time_limit_s=req.time_limit_s, dump_lp=req.dump_lp))
-        info = {"strategy": "ilp", "status": res.status, "mip_gap": res.mip_gap,
-                "options": {"time_limit_s": req.time_limit_s, "depths": list(ilp.IlpOptions().depths)},
-                "size": {"binaries": res.n_binaries, "constraints": res.n_constraints},
-                "milp_objective_s": res.objective_s}
-        return res.decision, info, res.solve_seconds
-    t0 = time.perf_counter()
-    dec = baselines.ngl(problem, arg) if strategy == "ngl" else baselines.BASELINES[strategy](problem)
-    name = strategy if arg is None else f"{strategy}:{arg}"
-    return dec, {"strategy": name, "status": "heuristic", "mip_gap": None, "options": {}}, time.perf_counter() - t0
+    if strategy != "ilp":
+        t0 = time.perf_counter()
+        dec = baselines.ngl(problem, arg) if strategy == "ngl" else baselines.BASELINES[strategy](problem)
+        name = strategy if arg is None else f"{strategy}:{arg}"
+        info = {"strategy": name, "status": "heuristic", "mip_gap": None, "lower_bound_s": None, "options": {}}
+        return dec, info, time.perf_counter() - t0
+    opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, dump_lp=req.dump_lp)
+    res = ilp.solve(problem, opts)
+    info = {"strategy": "ilp", "status": res.status, "mip_gap": res.mip_gap, "lower_bound_s": res.bound_s,
+            "milp_objective_s": res.objective_s,
+            "options": {"time_limit_s": opts.time_limit_s, "max_nodes": opts.max_nodes,
+                        "mip_rel_gap": opts.mip_rel_gap, "depths": list(opts.depths)},
+            "size": {"binaries": res.n_binaries, "constraints": res.n_constraints}}
+    dec = res.decision
+    if dec is not None and res.status != "optimal":
+        # Not proven optimal: never hand out something worse than a baseline that fits.
+        dec, info = _at_least_baselines(problem, dec, info)
+    return dec, info, res.solve_seconds
+
+
+def _at_least_baselines(problem: Problem, dec, info):
+    from hetplan.solvers import baselines
+
+    best, best_obj = dec, objective_s(problem, predictions(problem, build_schedule(problem, dec)))
+    for name, fn in baselines.BASELINES.items():
+        cand = fn(problem)
+        if memory_report(problem, cand)[0]["gpu_bytes"] > problem.gpu_budget_bytes or \
+                memory_report(problem, cand)[0]["cpu_bytes"] > problem.cpu_budget_bytes:
+            continue
+        obj = objective_s(problem, predictions(problem, build_schedule(problem, cand)))
+        if obj < best_obj:
+            best, best_obj = cand, obj
+            info = dict(info, incumbent=f"baseline {name}")
+    if info.get("lower_bound_s") is not None and best_obj > 0:
+        info = dict(info, mip_gap=max(0.0, (best_obj - info["lower_bound_s"]) / best_obj))
+    return best, info
 
 
 def compile_plan(req: CompileRequest) -> tuple[Plan, float]:

@@ -58,14 +58,16 @@ def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.j
         return v
 
     name = name or cfg.get("_name_or_path") or mt
-    dtype = weight_dtype or _dtype_name(cfg.get("torch_dtype") or cfg.get("dtype"))
-    kw = dict(name=name, arch=arch, weight_dtype=dtype, kv_dtype=kv_dtype or dtype)
+    native = _dtype_name(cfg.get("torch_dtype") or cfg.get("dtype"))
+    # the KV cache keeps the checkpoint's dtype when only the weights are requantised
+    kw = dict(name=name, arch=arch, weight_dtype=weight_dtype or native, kv_dtype=kv_dtype or native)
     builder = {"opt": _opt, "gpt2": _gpt2}.get(arch, _llama_like)
-    kw.update(builder(get, cfg, arch))
     try:
+        kw.update(builder(get, cfg, arch))
         return ModelSpec(**kw)
     except HetplanError as e:
-        raise HetplanError(f"{source}: {e}") from None
+        msg = str(e)  # errors from ``get`` already name the source
+        raise HetplanError(msg if msg.startswith(f"{source}: ") else f"{source}: {msg}") from None
 
 
 def _dtype_name(torch_dtype) -> str:
@@ -108,7 +110,9 @@ def _llama_like(get, cfg, arch) -> dict:
         if cfg.get("mlp_only_layers") or get("decoder_sparse_step", 1) != 1:
             raise HetplanError("mlp_only_layers/decoder_sparse_step: interleaved dense layers are "
                                "not supported for qwen3_moe")
-        kw.update(n_experts=get("num_experts"), experts_per_token=get("num_experts_per_tok"),
+        # transformers 5 writes the expert count of a saved qwen3_moe config as num_local_experts
+        n_experts = get("num_experts") if "num_experts" in cfg else get("num_local_experts")
+        kw.update(n_experts=n_experts, experts_per_token=get("num_experts_per_tok"),
                   moe_intermediate=get("moe_intermediate_size"),
                   extra={"norm_topk_prob": bool(cfg.get("norm_topk_prob", True))})
     elif arch == "deepseek_v3":
@@ -122,7 +126,8 @@ def _llama_like(get, cfg, arch) -> dict:
                   qk_rope_head_dim=rope_d, qk_nope_head_dim=nope, v_head_dim=get("v_head_dim"),
                   attn_bias=False, attn_out_bias=False, qk_norm=False,
                   extra={k: cfg[k] for k in ("n_group", "topk_group", "routed_scaling_factor",
-                                             "norm_topk_prob", "topk_method", "scoring_func")
+                                             "norm_topk_prob", "topk_method", "scoring_func",
+                                             "rope_interleave")
                          if k in cfg})
     return kw
 

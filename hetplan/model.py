@@ -139,7 +139,7 @@ class ModelSpec:
         d, f = self.hidden, self.intermediate
         p = (3 if self.gated_mlp else 2) * d * f
         if self.mlp_bias:
-            p += f + d
+            p += (2 if self.gated_mlp else 1) * f + d
         return p + d * (2 if self.norm == "layernorm" else 1)
 
     def expert_params(self) -> int:
@@ -166,7 +166,8 @@ class ModelSpec:
     def embed_params(self) -> int:
         p = self.vocab * self.hidden
         if self.pos == "learned":
-            p += self.max_positions * self.hidden
+            # OPT's position table has 2 extra rows: positions are looked up at index pos + 2.
+            p += (self.max_positions + (2 if self.arch == "opt" else 0)) * self.hidden
         return p
 
     def head_params(self) -> int:

@@ -70,6 +70,9 @@ class Task:
     flops: float = 0.0
     slot: int | None = None
     """Staging slot of a ``load`` and of the compute tasks that read it."""
+    cost_source: str = "analytic"
+    """Where ``duration_s`` came from: ``analytic`` (the roofline formulas and the node's
+    bandwidths) or ``profile`` (a measured per-op table)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,13 @@ class StageCost:
     """h2d time of the stage's input activations (when the previous stage ran on the CPU)."""
     down_s: float
     """d2h time of the stage's input activations (when the previous stage ran on the GPU)."""
+    gpu_source: str = "analytic"
+    """Where ``gpu_s`` came from: ``analytic`` (roofline) or ``profile`` (measured table)."""
+    cpu_source: str = "analytic"
+    """Where ``cpu_s`` came from: ``analytic`` or ``profile``."""
+
+    def source(self, device: str) -> str:
+        return self.gpu_source if device == "gpu" else self.cpu_source
 
 
 @dataclass(frozen=True)
@@ -68,22 +75,23 @@ def price(graph: BlockGraph, hw: HardwareSpec, profile=None) -> Problem:
     spec = graph.model
     has_gpu = hw.gpu is not None
 
-    def seconds(device: str, st: Stage) -> float:
-        if profile is not None:
+    def seconds(device: str, st: Stage) -> tuple[float, str]:
+        if profile is not None and (device == "cpu" or has_gpu):
             t = profile.seconds(device, st.work, spec)
             if t is not None:
-                return t
+                return t, "profile"
         if device == "gpu":
-            return cost.gpu_seconds(st.work, spec, hw) if has_gpu else float("inf")
-        return cost.cpu_seconds(st.work, spec, hw)
+            return (cost.gpu_seconds(st.work, spec, hw) if has_gpu else float("inf")), "analytic"
+        return cost.cpu_seconds(st.work, spec, hw), "analytic"
 
-    stages = {}
-    for phase in PHASES:
-        stages[phase] = tuple(
-            StageCost(st, seconds("gpu", st), seconds("cpu", st),
-                      cost.h2d_seconds(st.in_bytes, hw) if has_gpu and st.in_bytes else 0.0,
-                      cost.d2h_seconds(st.in_bytes, hw) if has_gpu and st.in_bytes else 0.0)
-            for st in graph.stages[phase])
+    def stage_cost(st: Stage) -> StageCost:
+        (gpu_s, gpu_src), (cpu_s, cpu_src) = seconds("gpu", st), seconds("cpu", st)
+        return StageCost(st, gpu_s, cpu_s,
+                         cost.h2d_seconds(st.in_bytes, hw) if has_gpu and st.in_bytes else 0.0,
+                         cost.d2h_seconds(st.in_bytes, hw) if has_gpu and st.in_bytes else 0.0,
+                         gpu_source=gpu_src, cpu_source=cpu_src)
+
+    stages = {phase: tuple(stage_cost(st) for st in graph.stages[phase]) for phase in PHASES}
     wl = graph.workload
     load_s = {b.name: cost.h2d_seconds(b.weight_bytes, hw) for b in graph.blocks} if has_gpu else {}
     kv_down_s = {b.name: cost.d2h_seconds(wl.batch * wl.prompt_len * b.kv_bytes_per_token, hw)
@@ -103,4 +111,7 @@ def build_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, profile=None)
         graph = onnx_block_graph(spec, wl)
     else:
         graph = block_graph(spec, wl)
+    if profile is None and hw.profile:
+        from hetplan.profile_table import load_profile
+        profile = load_profile(hw.profile)
     return price(graph, hw, profile)

@@ -50,7 +50,8 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
         w = st.work
         t = Task(id=st.id, resource=dev, block=st.block, kind=st.kind,
                  duration_s=sc.gpu_s if dev == "gpu" else sc.cpu_s, bytes=w.bytes, flops=w.flops,
-                 slot=slots.get(st.block) if dev == "gpu" and st.follows == "exec" else None)
+                 slot=slots.get(st.block) if dev == "gpu" and st.follows == "exec" else None,
+                 cost_source=sc.source(dev))
         first_stage.setdefault(st.block, t.id)
         last_stage[st.block] = t.id
         if prev_id is not None:

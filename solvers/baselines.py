@@ -87,6 +87,9 @@ def stream(problem: Problem) -> Decision:
     slots = 2 * max(b.weight_bytes for b in blocks if b.streamable)
     kv_total = sum(b.kv_bytes for b in blocks)
     kv_on = "gpu" if kv_total + slots + problem.gpu_workspace_bytes <= problem.gpu_budget_bytes else "cpu"
+    if kv_on == "cpu":  # attention without a separate core stage (ONNX blocks) computes beside its cache
+        split = {st.block for st in problem.graph.stages["decode"] if st.follows == "kv"}
+        weights.update({b.name: "cpu" for b in blocks if b.kind == "attn" and b.name not in split})
     return _decision(problem, weights, {b.name: kv_on for b in blocks if b.kind == "attn"}, depth=2)
 
 

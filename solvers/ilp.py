@@ -23,6 +23,7 @@ from hetplan.graph import PHASES
 from hetplan.plan import Decision
 from hetplan.problem import Problem
 from hetplan.solvers import ilp_constraints as C
+from hetplan.solvers.ilp_constraints import MODES
 
 MS = 1e3          # model time unit: milliseconds
 GIB = float(1 << 30)  # model memory unit
@@ -30,10 +31,14 @@ GIB = float(1 << 30)  # model memory unit
 
 @dataclass(frozen=True)
 class IlpOptions:
-    depths: tuple = (1, 2)
-    """Staging depths tried; the best plan over them wins."""
-    time_limit_s: float = 60.0
-    mip_rel_gap: float = 1e-6
+    depths: tuple = (2, 1)
+    """Staging depths tried, in order; the best plan over them wins (each later depth is cut off
+    at the best objective found so far)."""
+    time_limit_s: float = 30.0
+    """Wall-clock safety net per depth. A plan stopped by it may differ between machines."""
+    max_nodes: int = 50
+    """Branch-and-bound nodes per depth: the deterministic limit (same plan on every machine)."""
+    mip_rel_gap: float = 1e-4
     threads: int = 1
     dump_lp: str | None = None
 
@@ -42,9 +47,12 @@ class IlpOptions:
 class IlpResult:
     decision: Decision | None
     status: str
-    """HiGHS's model status name: ``optimal``, ``time_limit`` (best found, not proven), ``infeasible``."""
+    """``optimal`` (within ``mip_rel_gap``), ``node_limit`` or ``time_limit`` (best found, not
+    proven: see ``mip_gap``), ``infeasible``."""
     mip_gap: float
     objective_s: float
+    bound_s: float
+    """A proven lower bound on the objective over every placement and depth tried."""
     solve_seconds: float
     n_binaries: int
     n_constraints: int
@@ -64,13 +72,14 @@ class _Model:
         self.k = {b.name: pulp.LpVariable(f"k_{b.name}", cat="Binary") for b in blocks if b.kind == "attn"}
         self.sigma = pulp.LpVariable("slot_gib", lowBound=0)
         self.T = {p: pulp.LpVariable(f"T_{p}", lowBound=0) for p in PHASES}
-        has_core = {b.name: False for b in blocks if b.kind == "attn"}
+        self.has_core = {b.name: False for b in blocks if b.kind == "attn"}
         for st in problem.graph.stages["decode"]:
             if st.follows == "kv":
-                has_core[st.block] = True
+                self.has_core[st.block] = True
         # (3) constraint families on placement and memory ----------------------------------
-        C.add_exec_choice(self.prob, self.r, self.s, None, blocks, PHASES)
-        C.add_kv_beside_compute(self.prob, self.r, self.s, self.k, blocks, PHASES, has_core)
+        C.add_exec_choice(self.prob, self.r, self.s, blocks, PHASES)
+        C.add_kv_beside_compute(self.prob, self.r, self.s, self.k, blocks, PHASES, self.has_core)
+        C.add_slot_size(self.prob, self.s, self.sigma, blocks, PHASES, GIB)
         C.add_memory(self.prob, self.r, self.s, self.k, self.sigma, blocks, PHASES, depth,
                      problem.gpu_budget_bytes, problem.cpu_budget_bytes,
                      problem.gpu_workspace_bytes, problem.cpu_workspace_bytes, GIB)
@@ -83,88 +92,156 @@ class _Model:
         self.weights = (w_pre, w_dec)
         self.prob += w_pre * self.T["prefill"] + w_dec * self.T["decode"], "objective_ms"
 
-    def g(self, p, st):
-        """1 when stage ``st`` runs on the GPU in phase ``p`` (an affine expression)."""
-        if st.follows == "kv":
-            return self.k[st.block]
-        return self.r[st.block] + self.s.get((st.block, p), 0)
+    def _modes(self, p):
+        """(block, mode) -> indicator expression of block b executing in mode G, S or C in phase p."""
+        mode = {}
+        for b in self.problem.blocks:
+            r, s = self.r[b.name], self.s.get((b.name, p))
+            mode[b.name, "G"] = r
+            if s is not None:
+                mode[b.name, "S"] = s
+            mode[b.name, "C"] = 1 - r - (s if s is not None else 0)
+        return mode
+
+    def _block_costs(self, p):
+        """block -> its stages in phase p, in order."""
+        by_block = {}
+        for c in self.problem.stages[p]:
+            by_block.setdefault(c.stage.block, []).append(c)
+        return by_block
+
+    def _duration(self, p, name, costs, g, k, upto=None):
+        """Time from the start of block ``name``'s first stage to the end of its stage ``upto``
+        (default: the last), for GPU indicator ``g`` and KV indicator ``k`` (numbers or
+        expressions): stage times on their devices plus the copies inside the block, which happen
+        exactly when g - k = 1 (attention on the GPU, its cache in DRAM)."""
+        total = 0
+        prev = None
+        for c in costs[: upto]:
+            dev = k if c.stage.follows == "kv" else g
+            total += MS * c.cpu_s + MS * (c.gpu_s - c.cpu_s) * dev
+            if prev is not None and prev.stage.follows != c.stage.follows:
+                total += MS * (c.down_s if c.stage.follows == "kv" else c.up_s) * (g - k)
+            prev = c
+        return total
+
+    def _min_duration(self, p, name, costs, m):
+        """Least block duration in mode ``m`` over the KV choices that mode allows (a number)."""
+        g = 1 if m in ("G", "S") else 0
+        ks = (0, 1) if g and self.has_core.get(name) else ((g,) if name in self.k else (0,))
+        return min(self._duration(p, name, costs, g, k) for k in ks)
 
     def _timeline(self, p):
         pr, prob = self.problem, self.prob
-        costs = pr.stages[p]
         names = [b.name for b in pr.blocks]
-        S, E, delays = {}, {}, {}
-        stage_ids, first, last, kv_down, d2h_queue = [], {}, {}, {}, []
-        prev = None
-        for c in costs:
-            st = c.stage
-            sid = st.id
-            S[sid] = pulp.LpVariable(f"S_{p}_{sid}", lowBound=0)
-            g = self.g(p, st)
-            E[sid] = S[sid] + MS * c.cpu_s + MS * (c.gpu_s - c.cpu_s) * g
-            first.setdefault(st.block, sid)
-            last[st.block] = sid
-            if prev is not None and (prev.block, prev.follows) != (st.block, st.follows):
-                delays[sid] = self._transfer_delay(p, prev, c)
-            stage_ids.append(sid)
-            prev = st
-            if p == "prefill" and st.kind == "attn_core":
-                kid = f"kv_down/{st.block}"
-                S[kid] = pulp.LpVariable(f"S_{p}_{kid}", lowBound=0)
-                E[kid] = S[kid] + MS * pr.kv_down_s[st.block] * (g - self.k[st.block])
-                kv_down[kid] = sid
-                d2h_queue.append(kid)
-        loads = {}
+        costs = self._block_costs(p)
+        mode = self._modes(p)
+        S = {n: pulp.LpVariable(f"S_{p}_{n}", lowBound=0) for n in names}
+        E = {}
+        for n in names:
+            g = self.r[n] + self.s.get((n, p), 0)
+            k = self.k.get(n, g if n in self.k else 0)
+            E[n] = S[n] + self._duration(p, n, costs[n], g, k)
+        # pair variables and activation copies between blocks
+        pairs = list(zip(names, names[1:]))
+        y, xfer = {}, {}
+        for prev, cur in pairs:
+            for m in MODES:
+                for n_ in MODES:
+                    if (cur, m) in mode and (prev, n_) in mode:
+                        y[cur, m, n_] = pulp.LpVariable(f"y_{p}_{cur}_{m}{n_}", lowBound=0, upBound=1)
+            first = costs[cur][0]
+            xfer[cur] = pulp.lpSum(MS * self._copy_s(first, m, n_) * y[cur, m, n_]
+                                   for m in MODES for n_ in MODES if (cur, m, n_) in y)
+        C.add_pair_consistency(prob, y, mode, pairs, p)
+        C.add_chain(prob, S, E, pairs, xfer, p)
+        # weight loads on h2d, in block order, windowed by the staging depth
+        streamed = [n for n in names if (n, p) in self.s]
+        L = {n: pulp.LpVariable(f"L_{p}_{n}", lowBound=0) for n in streamed}
+        EL = {n: L[n] + MS * pr.load_s[n] * self.s[n, p] for n in streamed}
+        index = {n: i for i, n in enumerate(names)}
+        windows = {n: names[index[n] - self.depth] if index[n] >= self.depth else None for n in streamed}
+        C.add_load_edges(prob, S, E, L, EL, windows, p)
+        C.add_queue_order(prob, L, EL, streamed, "h2d", p)
+        if self.depth in (1, 2):
+            C.add_window_pair_cuts(prob, S, E, y, self._pair_gaps(p, names, costs, streamed), p)
+        # the prompt's KV copied down (prefill, attention on the GPU, cache in DRAM)
+        ends = [E[names[-1]]]
+        if p == "prefill":
+            cores = [n for n in names if n in self.k and self.has_core[n]]
+            SK = {n: pulp.LpVariable(f"SK_{p}_{n}", lowBound=0) for n in cores}
+            EK, core_end = {}, {}
+            for n in cores:
+                g = self.r[n] + self.s.get((n, p), 0)
+                upto = 1 + next(i for i, c in enumerate(costs[n]) if c.stage.kind == "attn_core")
+                core_end[n] = S[n] + self._duration(p, n, costs[n], g, g, upto)
+                EK[n] = SK[n] + MS * pr.kv_down_s[n] * (g - self.k[n])
+            C.add_kv_down_edges(prob, SK, EK, core_end, p)
+            C.add_queue_order(prob, SK, EK, cores, "d2h", p)
+            ends += [EK[cores[-1]]] if cores else []
+        C.add_makespan(prob, self.T[p], ends, p)
 
-        def load(j):
-            name = names[j]
-            lid = f"load/{name}"
-            S[lid] = pulp.LpVariable(f"S_{p}_{lid}", lowBound=0)
-            E[lid] = S[lid] + MS * pr.load_s[name] * self.s[name, p]
-            loads[lid] = (first[name], last[names[j - self.depth]] if j >= self.depth else None)
-            return lid
+    @staticmethod
+    def _copy_s(first_stage_cost, m, n_):
+        """Copy time of a block's input when it runs in mode m after a block in mode n_."""
+        on_gpu, prev_on_gpu = m in ("G", "S"), n_ in ("G", "S")
+        if on_gpu and not prev_on_gpu:
+            return first_stage_cost.up_s
+        if prev_on_gpu and not on_gpu:
+            return first_stage_cost.down_s
+        return 0.0
 
-        d = self.depth
-        h2d_queue = [load(j) for j in range(min(d, len(names))) if (names[j], p) in self.s]
-        h2d_queue += [load(j + d) for j in range(len(names) - d) if (names[j + d], p) in self.s]
-        C.add_chain(prob, S, E, stage_ids, delays, p)
-        C.add_load_edges(prob, S, E, loads, p)
-        C.add_kv_down_edges(prob, S, E, kv_down, p)
-        C.add_queue_order(prob, S, E, h2d_queue, "h2d", p)
-        C.add_queue_order(prob, S, E, d2h_queue, "d2h", p)
-        C.add_makespan(prob, self.T[p], E, [stage_ids[-1]] + d2h_queue[-1:], p)
+    def _pair_gaps(self, p, names, costs, streamed):
+        """(block, window block) -> {(m, n): least S_b - E_w in that pair of modes}."""
+        gaps = {}
+        for i, cur in enumerate(names):
+            if i < max(1, self.depth) or cur not in streamed:
+                continue
+            prev, w = names[i - 1], names[i - self.depth]
+            first = costs[cur][0]
+            table = {}
+            for m in MODES:
+                for n_ in MODES:
+                    if (cur, m) not in self._mode_keys(p) or (prev, n_) not in self._mode_keys(p):
+                        continue
+                    chain = MS * self._copy_s(first, m, n_)
+                    if self.depth == 2:
+                        chain += self._min_duration(p, prev, costs[prev], n_)
+                    load = MS * self.problem.load_s[cur] if m == "S" else 0.0
+                    table[m, n_] = max(load, chain)
+            gaps[cur, w] = table
+        return gaps
 
-    def _transfer_delay(self, p, prev_st, c):
-        """Copy time into stage ``c`` when it runs on another device than ``prev_st``:
-        t_up u + t_down w with u >= g_c - g_prev, w >= g_prev - g_c, u, w in [0, 1]."""
-        st = c.stage
-        g_prev, g_cur = self.g(p, prev_st), self.g(p, st)
-        u = pulp.LpVariable(f"u_{p}_{st.id}", lowBound=0, upBound=1)
-        w = pulp.LpVariable(f"w_{p}_{st.id}", lowBound=0, upBound=1)
-        self.prob += u >= g_cur - g_prev, f"act_up_on_{p}_{st.id}"
-        self.prob += w >= g_prev - g_cur, f"act_down_on_{p}_{st.id}"
-        return MS * c.up_s * u + MS * c.down_s * w
+    def _mode_keys(self, p):
+        if not hasattr(self, "_mk"):
+            self._mk = {}
+        if p not in self._mk:
+            self._mk[p] = set(self._modes(p))
+        return self._mk[p]
 
     # (4) solve -------------------------------------------------------------------------------
-    def solve(self, opts: IlpOptions) -> IlpResult:
+    def solve(self, opts: IlpOptions, cutoff_s: float | None = None) -> IlpResult:
         if opts.dump_lp:
             self.prob.writeLP(opts.dump_lp)
+        extra = {"objective_bound": cutoff_s * MS} if cutoff_s is not None else {}
         solver = pulp.HiGHS(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.mip_rel_gap,
-                            threads=opts.threads, random_seed=0)
+                            threads=opts.threads, random_seed=0, mip_max_nodes=opts.max_nodes, **extra)
         t0 = time.perf_counter()
         with _stdout_silenced():
-            self.prob.solve(solver)
+            _run_highs(self.prob, solver)
         elapsed = time.perf_counter() - t0
         h = self.prob.solverModel
-        status = h.modelStatusToString(h.getModelStatus()).lower().replace(" ", "_")
+        status = _STATUS.get(h.modelStatusToString(h.getModelStatus()),
+                             h.modelStatusToString(h.getModelStatus()).lower().replace(" ", "_"))
         info = h.getInfo()
         n_bin = sum(1 for v in self.prob.variables() if v.cat == "Integer")
-        has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        if not has_solution:
-            return IlpResult(None, status, float("inf"), float("inf"), elapsed, n_bin, len(self.prob.constraints))
-        gap = max(0.0, float(info.mip_gap)) if info.mip_gap == info.mip_gap else 0.0
-        obj = self.weights[0] * self.T["prefill"].value() + self.weights[1] * self.T["decode"].value()
-        return IlpResult(self.decision(), status, gap, obj / MS, elapsed, n_bin, len(self.prob.constraints))
+        size = (n_bin, len(self.prob.constraints))
+        if info.primal_solution_status != 2:  # no feasible solution
+            bound = float("inf") if status == "infeasible" else info.mip_dual_bound / MS
+            return IlpResult(None, status, float("inf"), float("inf"), bound, elapsed, *size)
+        obj = (self.weights[0] * self.T["prefill"].value() + self.weights[1] * self.T["decode"].value()) / MS
+        bound = min(obj, info.mip_dual_bound / MS) if status != "optimal" else obj * (1 - max(0.0, info.mip_gap))
+        return IlpResult(self.decision(), status, _gap(obj, bound), obj, bound, elapsed, *size)
 
     # (5) read the decision ----------------------------------------------------------------------
     def decision(self) -> Decision:
@@ -203,23 +280,60 @@ def _stdout_silenced():
         os.close(saved)
 
 
+def _run_highs(prob: pulp.LpProblem, solver) -> None:
+    """Build and run the HiGHS model through PuLP's adapter, then read the column values back
+    ourselves: PuLP's own status table has no entry for HiGHS's node (solution) limit."""
+    solver.createAndConfigureSolver(prob)
+    solver.buildSolverModel(prob)
+    solver.callSolver(prob)
+    h = prob.solverModel
+    if h.getInfo().primal_solution_status == 2:
+        values = h.getSolution().col_value
+        for v in prob.variables():
+            v.varValue = values[v.index]
+
+
+def _gap(obj: float, bound: float) -> float:
+    return max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
+
+
+_STATUS = {"Optimal": "optimal", "Time limit reached": "time_limit", "Infeasible": "infeasible",
+           "Objective bound": "objective_bound",
+           "Solution limit reached": "node_limit", "Primal infeasible or unbounded": "infeasible"}
+
+
 def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
-    """Solve the MILP for every staging depth in ``opts.depths``; return the best result."""
+    """Solve the MILP for every staging depth in ``opts.depths``; return the best decision, with
+    the bound and gap over all depths (the optimum over depths is >= the least depth bound)."""
     opts = opts or IlpOptions()
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
-        return IlpResult(all_cpu(problem), "optimal", 0.0, float("nan"), 0.0, 0, 0)
-    best = None
-    total = 0.0
+        return IlpResult(all_cpu(problem), "optimal", 0.0, float("nan"), float("nan"), 0.0, 0, 0)
+    results = []
     for depth in opts.depths:
         dump = f"{opts.dump_lp.removesuffix('.lp')}.depth{depth}.lp" if opts.dump_lp and len(opts.depths) > 1 \
             else opts.dump_lp
-        res = _Model(problem, depth).solve(IlpOptions(**{**opts.__dict__, "dump_lp": dump}))
-        total += res.solve_seconds
-        if res.decision is not None and (best is None or res.objective_s < best.objective_s - 1e-12):
-            best = res
-        elif best is None:
-            best = res
-    if best is None:
+        found = [r.objective_s for r in results if r.decision is not None]
+        res = _Model(problem, depth).solve(IlpOptions(**{**opts.__dict__, "dump_lp": dump}),
+                                           cutoff_s=min(found) if found else None)
+        if res.decision is None and found and res.status in ("infeasible", "objective_bound"):
+            # nothing better than the cutoff exists at this depth: the cutoff is its bound
+            res = IlpResult(None, "optimal", 0.0, float("inf"), min(found), res.solve_seconds,
+                            res.n_binaries, res.n_constraints)
+        results.append(res)
+    if not results:
         raise HetplanError("the ILP was given no staging depth to try")
-    return IlpResult(**{**best.__dict__, "solve_seconds": total})
+    total = sum(r.solve_seconds for r in results)
+    feasible = [r for r in results if r.decision is not None]
+    bound = min(r.bound_s for r in results)
+    if not feasible:
+        status = "infeasible" if all(r.status == "infeasible" for r in results) else results[0].status
+        return IlpResult(None, status, float("inf"), float("inf"), bound, total,
+                         results[0].n_binaries, results[0].n_constraints)
+    best = min(feasible, key=lambda r: r.objective_s)
+    gap = _gap(best.objective_s, bound)
+    proven = all(r.status in ("optimal", "infeasible", "objective_bound") for r in results)
+    status = "optimal" if proven and gap <= opts.mip_rel_gap * (1 + 1e-9) else \
+        next((r.status for r in results if r.status not in ("optimal", "infeasible", "objective_bound")),
+             "optimal")
+    return IlpResult(best.decision, status, gap, best.objective_s, bound, total, best.n_binaries, best.n_constraints)

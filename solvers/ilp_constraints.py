@@ -1,25 +1,34 @@
 """Constraint families of the placement MILP, one function each, the math in its docstring.
 
-Notation (per phase p; times in milliseconds inside the model):
-  r_b        binary, block b's weights resident in HBM
-  s_bp       binary, block b streamed to the GPU in phase p (weights in pinned DRAM)
-  k_b        binary, attention block b's KV cache in HBM
-  g_sp       affine, 1 when stage s runs on the GPU: r_b + s_bp (follows exec) or k_b (follows kv)
-  S_x        continuous start time of task x; E_x = S_x + duration_x (an affine expression)
+Notation (per phase p; times in milliseconds inside the model, memory in GiB):
+  r_b        binary: block b's weights resident in HBM                      (mode G)
+  s_bp       binary: block b streamed to the GPU in phase p                  (mode S)
+  c_bp       = 1 - r_b - s_bp: block b computed on the CPU in phase p        (mode C)
+  k_b        binary: attention block b's KV cache in HBM
+  y_bp[m,n]  continuous in [0, 1]: block b in mode m and block b-1 in mode n (pair variables;
+             equal to the product of the two mode indicators at every integral placement)
+  S_b, E_b   start of block b's first stage and end of its last stage; E_b = S_b + D_b, where D_b
+             is affine in (r_b, s_bp, k_b): stage times on the chosen devices plus the copies
+             inside the block (decode attention beside a DRAM cache: q/k/v down and the output up,
+             each exactly when g_b - k_b = 1)
+  L_b        start of the h2d load of block b's weights; ends at L_b + t_load(b) s_bp
   T_p        makespan of phase p
-Stages of a phase form a chain; the order of tasks on h2d (weight loads) and d2h (prompt KV) is
-fixed (see ``hetplan.schedule``), so there are no ordering disjunctions, and no big-M: a task a
-placement does not create has zero length and provably delays nothing.
+A block's stages run back to back (no other task waits on them in between except the prompt-KV
+copy, which is given its own start time), so the stage chain of ``hetplan.schedule`` is modelled
+exactly per block. Tasks a placement does not create have zero length and provably delay nothing
+(loads sit on h2d in block order and their windows are monotone in b), so there is no big-M.
 """
 
 from __future__ import annotations
 
 import pulp
 
+MODES = ("G", "S", "C")
+"""Resident on the GPU, streamed to the GPU, computed on the CPU."""
 
-def add_exec_choice(prob, r, s, c_vars, blocks, phases):
-    """Each block executes in one way per phase:  r_b + s_bp <= 1  (else computed on the CPU);
-    a block that is not streamable (the embedding) has s_bp = 0."""
+
+def add_exec_choice(prob, r, s, blocks, phases):
+    """Each block executes in one way per phase:  r_b + s_bp <= 1  (else on the CPU)."""
     for b in blocks:
         for p in phases:
             if (b.name, p) in s:
@@ -40,60 +49,98 @@ def add_kv_beside_compute(prob, r, s, k, blocks, phases, has_core_stage):
                 prob += k[b.name] >= on_gpu, f"kv_with_block_{b.name}_{p}"
 
 
-def add_memory(prob, r, s, k, sigma, blocks, phases, depth, gpu_budget, cpu_budget, gpu_ws, cpu_ws, unit):
-    """Memory per tier (in units of ``unit`` bytes):
-        sigma >= W_b s_bp                                   (staging slot size)
-        GPU:  sum_b W_b r_b + sum_b KV_b k_b + depth*sigma + ws_gpu <= budget_gpu
+def add_memory(prob, r, s, k, slot, blocks, phases, depth, gpu_budget, cpu_budget, gpu_ws, cpu_ws, unit):
+    """Memory per tier (in units of ``unit`` bytes). The staging slot holds the largest streamed
+    block; with size classes W_1 > W_2 > ... of streamable blocks and binaries z_c (some block of
+    size >= W_c is streamed in some phase):
+        s_bp <= z_c(b)      z_c >= z_(c-1)      slot = sum_c (W_c - W_(c+1)) z_c
+        GPU:  sum_b W_b r_b + sum_b KV_b k_b + depth*slot + ws_gpu <= budget_gpu
         CPU:  sum_b W_b (1 - r_b) + sum_b KV_b (1 - k_b) + ws_cpu <= budget_cpu"""
-    for b in blocks:
-        for p in phases:
-            if (b.name, p) in s:
-                prob += sigma >= (b.weight_bytes / unit) * s[b.name, p], f"slot_size_{b.name}_{p}"
     gpu = pulp.lpSum((b.weight_bytes / unit) * r[b.name] for b in blocks)
     gpu += pulp.lpSum((b.kv_bytes / unit) * k[b.name] for b in blocks if b.name in k)
-    prob += gpu + depth * sigma + gpu_ws / unit <= gpu_budget / unit, "gpu_mem"
+    prob += gpu + depth * slot + gpu_ws / unit <= gpu_budget / unit, "gpu_mem"
     cpu = pulp.lpSum((b.weight_bytes / unit) * (1 - r[b.name]) for b in blocks)
     cpu += pulp.lpSum((b.kv_bytes / unit) * (1 - k[b.name]) for b in blocks if b.name in k)
     prob += cpu + cpu_ws / unit <= cpu_budget / unit, "cpu_mem"
 
 
-def add_chain(prob, S, E, stage_ids, delays, p):
-    """Activations flow stage to stage; a device change on the way adds the copy of the stage's
-    input (on its own activation lane, never queued behind weight loads):
-        S_s >= E_{s-1} + t_up(s) u_s + t_down(s) w_s,   u_s >= g_s - g_{s-1},  w_s >= g_{s-1} - g_s,
-    with u, w in [0, 1] (integral at every integral placement: nothing rewards a larger value)."""
-    for prev, cur in zip(stage_ids, stage_ids[1:]):
-        prob += S[cur] >= E[prev] + delays.get(cur, 0), f"chain_{p}_{cur}"
+def add_slot_size(prob, s, slot, blocks, phases, unit):
+    """See ``add_memory``: the slot size as a staircase over the streamable blocks' size classes."""
+    sizes = sorted({b.weight_bytes for b in blocks if b.streamable}, reverse=True)
+    z = {w: pulp.LpVariable(f"z_slot_{i}", cat="Binary") for i, w in enumerate(sizes)}
+    for b in blocks:
+        for p in phases:
+            if (b.name, p) in s:
+                # a block of size W needs every class of size <= W switched on
+                prob += s[b.name, p] <= z[b.weight_bytes], f"slot_class_{b.name}_{p}"
+    for bigger, smaller in zip(sizes, sizes[1:]):
+        prob += z[smaller] >= z[bigger], f"slot_stair_{len(z)}_{int(smaller)}"
+    steps = list(zip(sizes, sizes[1:] + [0.0]))
+    prob += slot == pulp.lpSum(((w - nxt) / unit) * z[w] for w, nxt in steps), "slot_size"
+    return z
 
 
-def add_load_edges(prob, S, E, loads, p):
-    """A streamed block's weights arrive before its first stage, and are copied no more than
+def add_pair_consistency(prob, y, mode, pairs, p):
+    """Pair variables are the products of consecutive blocks' mode indicators:
+        sum_n y_bp[m,n] = x_bp[m]     sum_m y_bp[m,n] = x_(b-1)p[n]     y >= 0
+    (at integral x the only solution is y[m,n] = x_b[m] x_(b-1)[n])."""
+    for prev, cur in pairs:
+        for m in MODES:
+            if (cur, m) in mode:
+                prob += pulp.lpSum(y[cur, m, n] for n in MODES if (cur, m, n) in y) == mode[cur, m], \
+                    f"pair_row_{p}_{cur}_{m}"
+        for n in MODES:
+            if (prev, n) in mode:
+                prob += pulp.lpSum(y[cur, m, n] for m in MODES if (cur, m, n) in y) == mode[prev, n], \
+                    f"pair_col_{p}_{cur}_{n}"
+
+
+def add_chain(prob, S, E, pairs, xfer, p):
+    """Activations flow block to block; a device change adds the copy of the block's input (on
+    its own activation lane, never queued behind weight loads):
+        S_b >= E_(b-1) + t_up(b) (y[G,C] + y[S,C]) + t_down(b) (y[C,G] + y[C,S])."""
+    for prev, cur in pairs:
+        prob += S[cur] >= E[prev] + xfer[cur], f"chain_{p}_{cur}"
+
+
+def add_load_edges(prob, S, E, L, EL, windows, p):
+    """A streamed block's weights arrive before its first stage and are copied no more than
     ``depth`` blocks ahead (the staging slot it reuses is free once block b - depth finished):
-        S_first(b) >= E_load(b)        S_load(b) >= E_last(b - depth),
-    with E_load(b) = S_load(b) + t_load(b) s_bp. No big-M is needed: loads sit on h2d in block
-    order and windows are monotone in b, so the zero-length load of a block that is not streamed
-    only ever waits for things its block (and every later load) waits for anyway."""
-    for load_id, (first, window_last) in loads.items():
-        prob += S[first] >= E[load_id], f"load_before_{p}_{load_id}"
-        if window_last is not None:
-            prob += S[load_id] >= E[window_last], f"slot_free_{p}_{load_id}"
+        S_b >= L_b + t_load(b) s_bp          L_b >= E_(b-depth).
+    Zero-length loads of blocks that are not streamed only wait for what their block (and every
+    later load) waits for anyway, so no switch is needed."""
+    for b, window_block in windows.items():
+        prob += S[b] >= EL[b], f"load_before_{p}_{b}"
+        if window_block is not None:
+            prob += L[b] >= E[window_block], f"slot_free_{p}_{b}"
 
 
-def add_kv_down_edges(prob, S, E, kv_down, p):
+def add_window_pair_cuts(prob, S, E, y, pair_gap, p):
+    """Valid inequalities that convexify the overlap of a load with the block before it. With
+    window ``depth`` = 1 or 2 and w = b - depth:
+        S_b - E_w >= sum_(m,n) y_bp[m,n] * gap_b(m, n)
+    where gap_b(m, n) = max(t_load(b) [m = S], least time from E_w to S_b along the chain when b is
+    in mode m and b-1 in mode n). Both terms are lower bounds of S_b - E_w at every integral
+    placement, so the cut is valid; it is what lets the LP see stalls."""
+    for (cur, w), gaps in pair_gap.items():
+        prob += S[cur] - E[w] >= pulp.lpSum(g * y[cur, m, n] for (m, n), g in gaps.items() if g > 0), \
+            f"window_cut_{p}_{cur}"
+
+
+def add_kv_down_edges(prob, SK, EK, core_end, p):
     """The prompt's KV leaves the GPU after the attention that produced it, when the cache lives
-    in DRAM:  S_kv(b) >= E_core(b),  E_kv(b) = S_kv(b) + t_kv(b) z_b,  z_b = g_core(b) - k_b >= 0.
-    (Zero-length when the cache is on the GPU; in stage order on d2h, so never a false wait.)"""
-    for kv_id, core in kv_down.items():
-        prob += S[kv_id] >= E[core], f"kv_down_after_{p}_{kv_id}"
+    in DRAM:  SK_b >= E_core(b),  EK_b = SK_b + t_kv(b) (g_b - k_b)."""
+    for b, end in core_end.items():
+        prob += SK[b] >= end, f"kv_down_after_{p}_{b}"
 
 
-def add_queue_order(prob, S, E, queue, name, p):
-    """Tasks of one copy engine run in the fixed queue order:  S_{q[i+1]} >= E_{q[i]}."""
+def add_queue_order(prob, start, end, queue, name, p):
+    """Tasks of one copy engine run in the fixed queue order:  start_(q[i+1]) >= end_(q[i])."""
     for prev, cur in zip(queue, queue[1:]):
-        prob += S[cur] >= E[prev], f"{name}_order_{p}_{cur}"
+        prob += start[cur] >= end[prev], f"{name}_order_{p}_{cur}"
 
 
-def add_makespan(prob, T, E, last_ids, p):
-    """The phase ends when its last stage and every copy have ended:  T_p >= E_x."""
-    for x in last_ids:
-        prob += T >= E[x], f"makespan_{p}_{x}"
+def add_makespan(prob, T, ends, p):
+    """The phase ends when its last block and every copy have ended:  T_p >= E_x."""
+    for i, e in enumerate(ends):
+        prob += T >= e, f"makespan_{p}_{i}"

@@ -1,0 +1,169 @@
+"""Plan regression checks: recompile a plan from its recorded inputs and compare.
+
+A checked-in plan records the ``CompileRequest`` that produced it (``inputs.cli_args``).
+Recompiling it with today's code and presets and diffing the two catches regressions in the
+cost model, the solver or the presets: a predicted latency that got worse by more than a
+tolerance, memory over budget (the compiler then refuses the plan and says what is missing),
+or a different placement.
+Knows nothing about how plans are solved; it calls ``hetplan.compiler``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.errors import HetplanError
+from hetplan.plan import Plan, load_plan, write_atomic
+from hetplan.units import format_seconds
+
+LATENCY_KEYS = ("ttft_s", "tpot_s", "latency_s")
+"""Predicted times that must not grow by more than the tolerance."""
+PLACEMENT_KEYS = ("weights", "kv", "experts_on_gpu")
+MAX_DIFF_LINES = 12
+"""Placement differences listed before the rest are counted."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    path: str
+    failures: tuple
+    """One readable line per regression; empty when the plan passes."""
+    notes: tuple
+    """Changes that are not regressions (improvements beyond the tolerance)."""
+    summary: str
+    updated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def plan_paths(args) -> list:
+    """Expand PLAN.json files and directories (their ``*.json``, sorted) into plan paths."""
+    paths = []
+    for a in args:
+        p = Path(a)
+        if p.is_dir():
+            found = sorted(p.glob("*.json"))
+            if not found:
+                raise HetplanError(f"{p}: no *.json plans in this directory")
+            paths += found
+        elif p.is_file():
+            paths.append(p)
+        else:
+            raise HetplanError(f"{p}: no such plan file or directory")
+    if not paths:
+        raise HetplanError("no plans given: pass PLAN.json files or a directory of them")
+    return paths
+
+
+def request_of(plan: Plan, source: str) -> CompileRequest:
+    """The CompileRequest recorded in ``plan.inputs.cli_args``."""
+    args = plan.inputs.get("cli_args")
+    if not isinstance(args, dict):
+        raise HetplanError(f"{source}: the plan records no inputs.cli_args, so it cannot be recompiled; "
+                           f"compile it with `hetplan compile`")
+    known = {f.name for f in dataclasses.fields(CompileRequest) if f.init and f.name not in ("notes", "dump_lp")}
+    unknown = set(args) - known
+    if unknown:
+        raise HetplanError(f"{source}: inputs.cli_args has unknown keys {sorted(unknown)}; accepted: "
+                           f"{sorted(known)}")
+    return CompileRequest(**args)
+
+
+def latency_diffs(old: Plan, new: Plan, tolerance: float) -> tuple:
+    """(failures, notes): a time worse than ``old * (1 + tolerance)`` fails, better than
+    ``old * (1 - tolerance)`` is noted; for the throughput objective tokens/s is checked too."""
+    failures, notes = [], []
+    for key in LATENCY_KEYS:
+        a, b = old.predicted[key], new.predicted[key]
+        change = (b - a) / a if a else 0.0
+        line = f"{key}: {format_seconds(a)} -> {format_seconds(b)} ({100 * change:+.2f}%)"
+        if b > a * (1 + tolerance):
+            failures.append(f"{line}, worse than the {100 * tolerance:g}% tolerance")
+        elif b < a * (1 - tolerance):
+            notes.append(f"{line}, improved")
+    if old.workload.objective == "throughput":
+        a, b = old.predicted["throughput_tokens_per_s"], new.predicted["throughput_tokens_per_s"]
+        if b < a * (1 - tolerance):
+            failures.append(f"throughput_tokens_per_s: {a:.4g} -> {b:.4g} ({100 * (b - a) / a:+.2f}%), "
+                            f"worse than the {100 * tolerance:g}% tolerance")
+    return failures, notes
+
+
+def placement_diffs(old: Plan, new: Plan) -> list:
+    """One line per block whose weights, exec per phase, kv or experts_on_gpu differ, plus
+    changes of staging depth, chosen batch and weight dtype."""
+    lines = []
+    for key, a, b in (("staging depth", old.staging["depth"], new.staging["depth"]),
+                      ("batch", old.workload.batch, new.workload.batch),
+                      ("weight dtype", old.model.weight_dtype, new.model.weight_dtype)):
+        if a != b:
+            lines.append(f"{key}: {a} -> {b}")
+    before = {p["block"]: p for p in old.placement}
+    after = {p["block"]: p for p in new.placement}
+    for name in [p["block"] for p in old.placement if p["block"] not in after]:
+        lines.append(f"{name}: block no longer exists")
+    for name in [p["block"] for p in new.placement if p["block"] not in before]:
+        lines.append(f"{name}: new block")
+    for p in old.placement:
+        q = after.get(p["block"])
+        if q is None:
+            continue
+        changes = [f"{k} {p.get(k)} -> {q.get(k)}" for k in PLACEMENT_KEYS if p.get(k) != q.get(k)]
+        changes += [f"exec.{ph} {p['exec'][ph]} -> {q['exec'][ph]}" for ph in p["exec"]
+                    if p["exec"][ph] != q["exec"].get(ph)]
+        if changes:
+            lines.append(f"{p['block']}: " + ", ".join(changes))
+    return lines
+
+
+def reproducible(plan: Plan) -> bool:
+    """A placement recompiles identically unless its solve was cut by wall-clock time: an
+    incumbent at a time limit depends on the machine's speed (a node limit does not)."""
+    return plan.solver["status"] != "time_limit_reached"
+
+
+def _summary(plan: Plan) -> str:
+    p = plan.predicted
+    return (f"TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])}, "
+            f"{plan.solver['strategy']} {plan.solver['status']}")
+
+
+def check_plan(path, tolerance: float = 0.01, allow_placement_change: bool = False,
+               update: bool = False) -> CheckResult:
+    """Recompile the plan at ``path`` and compare; with ``update``, rewrite it (atomically)
+    with the recompiled plan instead of failing on a difference."""
+    if tolerance < 0:
+        raise HetplanError(f"--tolerance: must be >= 0, got {tolerance}")
+    path = Path(path)
+    old = load_plan(path)
+    recorded = path.read_text()
+    req = request_of(old, str(path))
+    try:
+        new, _ = compile_plan(req)
+    except HetplanError as e:  # memory over budget (InfeasibleError) or inputs that no longer load
+        return CheckResult(str(path), (f"no longer compiles: {e}",), (), "")
+    text = new.to_json()
+    if update:
+        changed = text != recorded
+        if changed:
+            write_atomic(path, text)
+        return CheckResult(str(path), (), (), _summary(new), updated=changed)
+    failures, notes = latency_diffs(old, new, tolerance)
+    placement = placement_diffs(old, new)
+    if placement:
+        shown = placement[:MAX_DIFF_LINES]
+        if len(placement) > MAX_DIFF_LINES:
+            shown.append(f"... and {len(placement) - MAX_DIFF_LINES} more placement differences")
+        shown[0] = "placement changed: " + shown[0]
+        if not (reproducible(old) and reproducible(new)):
+            shown[0] += " (not a failure: a solve stopped by its time limit has no unique placement)"
+            notes.extend(shown)
+        else:
+            (notes if allow_placement_change else failures).extend(shown)
+    summary = _summary(new) + ("" if text != recorded else ", identical")
+    return CheckResult(str(path), tuple(failures), tuple(notes), summary)

@@ -1,0 +1,177 @@
+"""Run a plan end to end: check it, place the weights, prefill, decode, measure, compare.
+
+``run_plan(plan, RunOptions(...))`` is what ``hetplan exec`` and the tests call. In order:
+refuse what cannot run (weight dtypes the runtime has no kernels for, stage kinds its backend
+lacks, a GPU plan without a GPU unless emulated, more memory than is free now), then read the
+prompt, place weights and KV caches (``Residency``), and run the prefill program once and the
+decode program once per further token (``Executor``), sampling after each. TTFT is prefill to the
+first sampled token; TPOT the mean decode step; both sit next to the plan's predictions.
+
+Knows nothing about the command line; progress goes to an optional callback.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hetplan.errors import HetplanError
+from hetplan.plan import Plan
+from hetplan.runtime.backend import Step, backend_for
+from hetplan.runtime.dataflow import TRANSFERS, build_program
+from hetplan.runtime.devices import Devices, check_free_memory, host_available_bytes
+from hetplan.runtime.executor import Executor
+from hetplan.runtime.prompt import resolve_prompt, sample
+from hetplan.runtime.residency import Residency
+from hetplan.runtime.trace import load_bytes_per_s, measured_tasks, trace
+from hetplan.runtime.weights import torch_dtype, weight_source
+
+METRICS = ("ttft_s", "tpot_s", "decode_tokens_per_s")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    weights: str = "random"
+    """A checkpoint directory, or ``random``."""
+    seed: int = 0
+    """Seeds random weights, the default prompt and sampling."""
+    prompt_ids: tuple | None = None
+    """Token ids per sequence (one sequence is repeated over the plan's batch)."""
+    prompt: str | None = None
+    """Text, tokenised with the tokenizer beside the weights."""
+    gen_len: int | None = None
+    """Tokens to generate per sequence (default: the plan's); the first comes from prefill."""
+    temperature: float = 0.0
+    """0 = greedy; else sample from softmax(logits / temperature)."""
+    emulate: bool | None = None
+    """Run the GPU resource on the CPU; None = when torch sees no CUDA device."""
+    trace: bool = False
+    all_logits: bool = False
+    """Prefill returns logits at every prompt position (kept in ``RunResult.logits``)."""
+    keep_logits: bool = False
+    """Keep every step's logits (on the CPU) in ``RunResult.logits``."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    tokens: list
+    """Generated ids per sequence."""
+    text: list | None
+    mode: str
+    """``cuda``, ``emulated`` or ``cpu``."""
+    measured: dict
+    predicted: dict
+    relative_error: dict
+    """(measured - predicted) / predicted per metric."""
+    peak_bytes: dict
+    """Tier -> measured peak bytes (the CUDA allocator's on a real GPU; counted placements and
+    activations otherwise)."""
+    planned_bytes: dict
+    host_rss_bytes: int
+    h2d_bytes_per_s: float | None = None
+    """Achieved bandwidth of weight loads during decode (traced runs with streamed blocks)."""
+    logits: list | None = field(default=None, repr=False)
+    trace: dict | None = field(default=None, repr=False)
+
+    def to_json_dict(self) -> dict:
+        return {"tokens": self.tokens, "text": self.text, "mode": self.mode, "measured": self.measured,
+                "predicted": self.predicted, "relative_error": self.relative_error,
+                "peak_bytes": self.peak_bytes, "planned_bytes": self.planned_bytes,
+                "host_rss_bytes": self.host_rss_bytes, "h2d_bytes_per_s": self.h2d_bytes_per_s}
+
+
+def choose_mode(plan: Plan, emulate: bool | None) -> str:
+    on_gpu = sum(t.resource != "cpu" for s in plan.schedule.values() for t in s.tasks)
+    if not on_gpu:
+        return "cpu"
+    if emulate:
+        return "emulated"
+    if torch.cuda.is_available():
+        return "cuda"
+    if emulate is False:
+        raise HetplanError(f"the plan runs {on_gpu} tasks on a GPU but torch sees no CUDA device here; "
+                           f"pass --emulate to run it with the GPU emulated on the CPU")
+    return "emulated"
+
+
+def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
+    spec, wl = plan.model, plan.workload
+    dtype = torch_dtype(spec.weight_dtype, "plan weight dtype")
+    kv_dtype = torch_dtype(spec.kv_dtype, "plan KV dtype")
+    backend = backend_for(spec)
+    kinds = {t.kind for s in plan.schedule.values() for t in s.tasks if t.kind not in TRANSFERS}
+    if kinds - backend.kinds:
+        raise HetplanError(f"plan for {spec.name!r}: stage kinds {sorted(kinds - backend.kinds)} have no "
+                           f"implementation in the runtime's {spec.arch} backend")
+    mode = choose_mode(plan, opts.emulate)
+    free_gpu = torch.cuda.mem_get_info()[0] if mode == "cuda" else None
+    check_free_memory(plan.memory, mode, free_gpu, host_available_bytes())
+    # A backend that brings its own weights (an ONNX graph's initializers) reads no checkpoint.
+    source = backend.own_weights() if hasattr(backend, "own_weights") else weight_source(opts.weights, opts.seed)
+    ids, tokenizer = resolve_prompt(opts, source, spec, wl)
+    batch, prompt_len = ids.shape
+    gen_len = opts.gen_len or wl.gen_len
+    needed = prompt_len + gen_len - 1
+    if gen_len < 1 or needed > wl.context_len:
+        raise HetplanError(f"--gen-len {gen_len} with a {prompt_len}-token prompt needs {needed} cached "
+                           f"tokens, but the plan sized its KV cache for {wl.context_len} (prompt_len "
+                           f"{wl.prompt_len} + gen_len {wl.gen_len}); recompile with a larger --gen-len")
+    max_tokens = wl.context_len  # caches as large as the plan budgeted, whatever this run uses
+
+    devices = Devices(mode, plan.memory["gpu_budget_bytes"])
+    for tier in ("cpu",) + (("gpu",) if mode != "cpu" else ()):
+        backend.setup(devices.device(tier), max_tokens)
+    residency = Residency(plan, backend, source, devices, dtype, kv_dtype, batch, max_tokens, progress)
+    programs = {ph: build_program(ph, plan.schedule[ph], backend.reads, backend.writes) for ph in ("prefill", "decode")}
+    gen = torch.Generator().manual_seed(opts.seed)
+    tokens, all_logits, measured_trace = [], [], {"prefill": [], "decode": []}
+    step_s = []
+    with torch.inference_mode(), Executor(programs, backend, residency, devices, opts.trace) as ex:
+        def forward(phase, start, new_ids):
+            dev = devices.device(programs[phase].inputs["ids"])
+            step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill")
+            out, timings = ex.run(phase, step, {"ids": new_ids.to(dev)})
+            logits = out["logits"].float().cpu()
+            return logits, timings
+
+        if progress:
+            progress("prefill", 0, 1)
+        t0 = time.perf_counter()
+        logits, timings = forward("prefill", 0, ids)
+        tok = sample(logits[:, -1] if logits.dim() == 3 else logits, opts.temperature, gen)
+        ttft_s = time.perf_counter() - t0
+        measured_trace["prefill"] = measured_tasks(programs["prefill"], timings, 0.0)
+        tokens.append(tok)
+        if opts.keep_logits or opts.all_logits:
+            all_logits.append(logits)
+        decode_t0 = time.perf_counter()
+        for i in range(gen_len - 1):
+            if progress:
+                progress("decode", i + 1, gen_len)
+            s0 = time.perf_counter()
+            logits, timings = forward("decode", prompt_len + i, tok[:, None])
+            tok = sample(logits, opts.temperature, gen)
+            step_s.append(time.perf_counter() - s0)
+            measured_trace["decode"] += measured_tasks(programs["decode"], timings, s0 - decode_t0)
+            tokens.append(tok)
+            if opts.keep_logits:
+                all_logits.append(logits)
+        if progress:
+            progress("decode", gen_len, gen_len)
+
+    generated = torch.stack(tokens, dim=1).tolist()                      # [B, gen_len]
+    tpot_s = sum(step_s) / len(step_s) if step_s else None
+    measured = {"ttft_s": ttft_s, "tpot_s": tpot_s, "decode_tokens_per_s": batch / tpot_s if tpot_s else None}
+    predicted = {k: plan.predicted[k] for k in METRICS}
+    rel = {k: (measured[k] - predicted[k]) / predicted[k] if measured[k] is not None and predicted[k] else None
+           for k in METRICS}
+    return RunResult(
+        tokens=generated, text=[tokenizer.decode(t) for t in generated] if tokenizer else None, mode=mode,
+        measured=measured, predicted=predicted, relative_error=rel, peak_bytes=devices.peak_bytes(),
+        planned_bytes={"gpu": plan.memory["gpu_bytes"], "cpu": plan.memory["cpu_bytes"]},
+        host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        h2d_bytes_per_s=load_bytes_per_s(measured_trace["decode"]) if opts.trace else None,
+        logits=all_logits or None, trace=trace(plan, measured_trace) if opts.trace else None)

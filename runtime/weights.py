@@ -1,0 +1,212 @@
+"""Where weights come from: a safetensors checkpoint read lazily by name, or seeded random values.
+
+A ``Checkpoint`` parses the headers of a directory's ``*.safetensors`` files (through
+``model.safetensors.index.json`` when there is one) and memory-maps each file once: ``view(name)``
+is a zero-copy CPU tensor over the file's pages, so a tensor is read from disk only when a tier
+copies it (or the CPU computes with it) and the process never holds a second full copy.
+``RandomWeights`` makes the same tensors from a seed: every value depends on the seed and the
+tensor's checkpoint name only, never on where the plan puts it.
+
+Both are checked against the tensors a backend expects before anything is loaded; the first
+tensor that is missing or has the wrong shape or dtype is named. Knows nothing about plans or tiers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from hetplan.errors import HetplanError
+from hetplan.runtime.backend import TensorSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Plan weight dtypes the runtime executes."""
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+_PLAN_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def torch_dtype(name: str, what: str) -> torch.dtype:
+    if name not in TORCH_DTYPES:
+        raise HetplanError(f"{what} {name!r}: the torch runtime executes {', '.join(TORCH_DTYPES)} "
+                           f"weights and KV caches; recompile the plan with --weight-dtype/--kv-dtype "
+                           f"set to one of them")
+    return TORCH_DTYPES[name]
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face safetensors checkpoint directory, by name, memory-mapped."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise HetplanError(f"--weights {directory}: no such directory (pass a checkpoint directory "
+                               f"holding *.safetensors, or 'random')")
+        files = self._files()
+        self._entries = {}   # name -> (file, dtype, shape, byte offset in file, nbytes)
+        for f in files:
+            for name, (dtype, shape, offset, nbytes) in _read_header(f).items():
+                self._entries[name] = (f, dtype, shape, offset, nbytes)
+        self._maps = {}
+
+    def _files(self) -> list[Path]:
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HetplanError(f"{index}: malformed index ({e}); expected a 'weight_map' object") from None
+            files = sorted({self.directory / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise HetplanError(f"{index}: names shard files that do not exist: {', '.join(missing)}")
+            return files
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise HetplanError(f"--weights {self.directory}: no *.safetensors files (a PyTorch .bin "
+                               f"checkpoint can be converted with transformers' save_pretrained)")
+        return files
+
+    def resolve(self, name: str) -> str | None:
+        """``name`` as stored: exactly, or without its leading module (a base model saved alone)."""
+        if name in self._entries:
+            return name
+        short = name.split(".", 1)[1] if "." in name else name
+        if name.startswith("model.decoder."):
+            short = name[len("model."):]
+        return short if short in self._entries else None
+
+    def check(self, expected: TensorSpec, dtype: torch.dtype, where: str) -> None:
+        stored = self.resolve(expected.checkpoint)
+        if stored is None:
+            raise HetplanError(f"--weights {self.directory}: no tensor {expected.checkpoint!r} (needed by "
+                               f"{where}); these weights are not the plan's model")
+        f, st_dtype, shape, _, _ = self._entries[stored]
+        if tuple(shape) != tuple(expected.shape):
+            raise HetplanError(f"--weights {self.directory}: tensor {stored!r} in {f.name} has shape "
+                               f"{list(shape)}, the plan's model expects {list(expected.shape)} ({where}); "
+                               f"these weights are not the model the plan was compiled for")
+        if st_dtype != dtype:
+            raise HetplanError(f"--weights {self.directory}: tensor {stored!r} in {f.name} is "
+                               f"{_PLAN_NAMES.get(st_dtype, st_dtype)}, the plan's model is "
+                               f"{_PLAN_NAMES[dtype]} ({where}); compile the plan with --weight-dtype "
+                               f"{_PLAN_NAMES.get(st_dtype, st_dtype)}")
+
+    def view(self, expected: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
+        """A CPU tensor over the file's pages (no copy); ``dtype`` was checked by ``check``."""
+        f, dtype, shape, offset, nbytes = self._entries[self.resolve(expected.checkpoint)]
+        if f not in self._maps:
+            with open(f, "rb") as fh:
+                # A private mapping: pages stay shared with the page cache until written.
+                self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        t = torch.frombuffer(self._maps[f], dtype=dtype, count=nbytes // itemsize, offset=offset)
+        return t.view(shape)
+
+    def fill(self, expected: TensorSpec, out: torch.Tensor) -> None:
+        out.copy_(self.view(expected, out.dtype))
+
+    def tokenizer_dir(self) -> Path | None:
+        return self.directory if (self.directory / "tokenizer.json").is_file() or \
+            (self.directory / "tokenizer_config.json").is_file() else None
+
+
+def _read_header(path: Path) -> dict:
+    """safetensors: 8-byte little-endian header length N, N bytes of JSON
+    ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data (offsets relative to it)."""
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError) as e:
+        raise HetplanError(f"{path}: not a safetensors file ({type(e).__name__}); the file may be "
+                           f"truncated") from None
+    size = path.stat().st_size
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _ST_DTYPES:
+            raise HetplanError(f"{path}: tensor {name!r} has dtype {meta['dtype']}, which the runtime cannot read")
+        begin, end = meta["data_offsets"]
+        if 8 + n + end > size:
+            raise HetplanError(f"{path}: tensor {name!r} ends past the end of the file; the file is truncated")
+        out[name] = (_ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, end - begin)
+    return out
+
+
+class RandomWeights:
+    """Seeded random weights for any spec: uniform values with the spread of a fresh model
+    (std 0.02; norm scales 1 +- 0.1), a pure function of (seed, checkpoint name)."""
+
+    CHUNK = 1 << 22
+    """Elements drawn per generator: chunks are independent, so they are drawn in parallel."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.directory = None
+
+    def check(self, expected: TensorSpec, dtype: torch.dtype, where: str) -> None:
+        return None
+
+    def view(self, expected: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(expected.shape, dtype=dtype)
+        self.fill(expected, out)
+        return out
+
+    def fill(self, expected: TensorSpec, out: torch.Tensor) -> None:
+        if out.device.type != "cpu":
+            out.copy_(self.view(expected, out.dtype))
+            return
+        name = expected.checkpoint
+        norm_scale = expected.local.endswith("norm")
+        half_width = (0.1 if norm_scale else 0.02) * math.sqrt(3.0)
+        flat = out.view(-1)
+        n = flat.numel()
+
+        def chunk(i: int) -> None:
+            lo, hi = i * self.CHUNK, min(n, (i + 1) * self.CHUNK)
+            g = torch.Generator().manual_seed(_chunk_seed(self.seed, name, i))
+            vals = torch.empty(hi - lo, dtype=torch.float32).uniform_(-half_width, half_width, generator=g)
+            if norm_scale:
+                vals += 1.0
+            flat[lo:hi].copy_(vals)
+
+        count = -(-n // self.CHUNK)
+        if count == 1:
+            chunk(0)
+        else:
+            with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
+                list(pool.map(chunk, range(count)))
+
+    def tokenizer_dir(self) -> None:
+        return None
+
+
+def _chunk_seed(seed: int, name: str, index: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def weight_source(weights: str, seed: int) -> Checkpoint | RandomWeights:
+    """``--weights random`` or a checkpoint directory."""
+    return RandomWeights(seed) if weights == "random" else Checkpoint(weights)
+
+
+def random_state_dict(backend, blocks, dtype: torch.dtype, seed: int) -> dict:
+    """{checkpoint name: tensor} of ``RandomWeights(seed)`` for ``blocks`` ((name, kind, layer)):
+    the same values ``--weights random --seed`` runs with, e.g. to load into a reference model."""
+    src, out = RandomWeights(seed), {}
+    for name, kind, layer in blocks:
+        for t in backend.block_tensors(name, kind, layer):
+            if t.checkpoint not in out:
+                out[t.checkpoint] = src.view(t, dtype)
+    return out

@@ -1,0 +1,41 @@
+"""Shared tiny fixtures: model specs and machines built in code.
+
+``tiny_spec(**overrides)`` is a llama-shaped ModelSpec small enough to plan in milliseconds;
+``tiny_node(gpu_gib, cpu_gib, **overrides)`` a machine whose memory budgets are exactly the
+given sizes (no reserves), or a CPU-only one with ``gpu_gib=None``. Tests import them with
+``from conftest import tiny_spec, tiny_node``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetplan.hardware import DEFAULT_EFFICIENCY, DEFAULT_LATENCY_S, DeviceSpec, HardwareSpec
+from hetplan.model import ModelSpec
+
+GIB = 1 << 30
+
+
+def tiny_spec(**overrides) -> ModelSpec:
+    """A 2-layer llama-style model (hidden 256, GQA 4:2, vocab 1000, fp16); any field can be
+    overridden, e.g. ``tiny_spec(n_layers=1, hidden=4096, weight_dtype="q4_0")``."""
+    fields = dict(name="tiny", arch="llama", n_layers=2, hidden=256, intermediate=512, n_heads=4,
+                  n_kv_heads=2, head_dim=64, vocab=1000, max_positions=4096, weight_dtype="fp16",
+                  kv_dtype="fp16")
+    fields.update(overrides)
+    return ModelSpec(**fields)
+
+
+def tiny_node(gpu_gib: float | None = 4.0, cpu_gib: float = 16.0, **overrides) -> HardwareSpec:
+    """A desktop-like machine (GPU 500 GB/s and 50 TFLOPS fp16; CPU 50 GB/s and 1 TFLOPS;
+    16 GB/s links) whose usable memory is exactly ``gpu_gib`` / ``cpu_gib`` GiB.
+    ``gpu_gib=None`` gives a node without a GPU. Other HardwareSpec fields via ``overrides``."""
+    gpus = () if gpu_gib is None else (
+        DeviceSpec(name="tiny-gpu", memory_bytes=int(gpu_gib * GIB), mem_bytes_per_s=500e9,
+                   flops_per_s={"fp16": 50e12, "bf16": 50e12, "fp32": 10e12}),)
+    cpu = DeviceSpec(name="tiny-cpu", memory_bytes=int(cpu_gib * GIB), mem_bytes_per_s=50e9,
+                     flops_per_s={"fp32": 1e12, "bf16": 1e12}, cores=8)
+    hw = HardwareSpec(name="tiny-node", gpus=gpus, cpu=cpu, h2d_bytes_per_s=16e9, d2h_bytes_per_s=16e9,
+                      gpu_reserve_bytes=0, cpu_reserve_bytes=0, efficiency=dict(DEFAULT_EFFICIENCY),
+                      latency_s=dict(DEFAULT_LATENCY_S))
+    return dataclasses.replace(hw, **overrides)
