@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
 
 from hetplan.compiler import CompileRequest, compile_plan
@@ -62,8 +63,7 @@ def main() -> None:
     for model in models:
         for node in nodes:
             rows.append(measure(model, node, args.repeats, args.time_limit))
-            print("  " + "  ".join(rows[-1]), flush=True)
-    print()
+            print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
     print(format_table(["model", "node", "median s", "status", "gap", "dtype", "on target"], rows, right={2}))
     timed = [float(r[2]) for r in rows if r[2] != "-"]
     met = sum(r[-1] == "yes" for r in rows)

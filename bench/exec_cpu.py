@@ -7,7 +7,8 @@ this machine and executes it from that checkpoint; transformers loads the same c
 calls ``generate`` (greedy, ``use_cache=True``). Same process, same ``torch.get_num_threads()``,
 batch 1, 64 new tokens; the two alternate for ``--rounds`` rounds and the medians are compared.
 TPOT is the mean time between consecutive tokens (hetplan: its measured decode steps;
-transformers: a logits processor stamping every step).
+transformers: a logits processor stamping every step); the median single step is printed too,
+as the estimate least disturbed by other processes on a shared machine.
 
     python bench/exec_cpu.py [--rounds 3] [--keep DIR]
 """
@@ -48,8 +49,8 @@ class _Stamp(transformers.LogitsProcessor):
         return scores
 
 
-def hf_tpot_s(model, ids) -> tuple[float, float]:
-    """(TTFT, TPOT) of transformers' greedy generate."""
+def hf_tpot_s(model, ids) -> tuple[float, float, list]:
+    """(TTFT, TPOT, step times) of transformers' greedy generate."""
     stamp = _Stamp()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -57,7 +58,7 @@ def hf_tpot_s(model, ids) -> tuple[float, float]:
                        logits_processor=transformers.LogitsProcessorList([stamp]),
                        attention_mask=torch.ones_like(ids))
     gaps = [b - a for a, b in zip(stamp.times, stamp.times[1:])]
-    return stamp.times[0] - t0, sum(gaps) / len(gaps)
+    return stamp.times[0] - t0, sum(gaps) / len(gaps), gaps
 
 
 def main() -> None:
@@ -90,18 +91,19 @@ def main() -> None:
     ours, theirs = [], []
     for r in range(args.rounds):
         res = run_plan(plan, opts)
-        ours.append((res.measured["ttft_s"], res.measured["tpot_s"]))
+        ours.append((res.measured["ttft_s"], res.measured["tpot_s"], list(res.step_s)))
         theirs.append(hf_tpot_s(hf, ids))
         print(f"round {r + 1}: hetplan TPOT {ours[-1][1] * 1e3:7.1f} ms   transformers TPOT "
               f"{theirs[-1][1] * 1e3:7.1f} ms   ratio {ours[-1][1] / theirs[-1][1]:.3f}", flush=True)
-    tpot_h = statistics.median(t for _, t in ours)
-    tpot_t = statistics.median(t for _, t in theirs)
-    ttft_h = statistics.median(t for t, _ in ours)
-    ttft_t = statistics.median(t for t, _ in theirs)
-    print(f"{'':14}{'hetplan':>10}{'transformers':>14}{'ratio':>8}")
-    print(f"{'TTFT (ms)':14}{ttft_h * 1e3:10.1f}{ttft_t * 1e3:14.1f}{ttft_h / ttft_t:8.3f}")
-    print(f"{'TPOT (ms)':14}{tpot_h * 1e3:10.1f}{tpot_t * 1e3:14.1f}{tpot_h / tpot_t:8.3f}")
-    print(f"TPOT ratio hetplan/transformers = {tpot_h / tpot_t:.3f} (target <= 1.0)")
+    rows = [("TTFT (ms)", [o[0] for o in ours], [t[0] for t in theirs]),
+            ("TPOT (ms)", [o[1] for o in ours], [t[1] for t in theirs]),
+            ("median step (ms)", [s for o in ours for s in o[2]], [s for t in theirs for s in t[2]])]
+    print(f"{'medians':18}{'hetplan':>10}{'transformers':>14}{'ratio':>8}")
+    for label, a, b in rows:
+        ma, mb = statistics.median(a), statistics.median(b)
+        print(f"{label:18}{ma * 1e3:10.1f}{mb * 1e3:14.1f}{ma / mb:8.3f}")
+    tpot_ratio = statistics.median(o[1] for o in ours) / statistics.median(t[1] for t in theirs)
+    print(f"TPOT ratio hetplan/transformers = {tpot_ratio:.3f} (target <= 1.0)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
    transformers' Qwen3MoeSparseMoeBlock on the same weights, for a decode step (1 token) and a
    prefill chunk (``--tokens``).
 
-Medians of ``--repeats`` timed calls after one warm-up; same process, same threads.
+Medians of ``--repeats`` rounds after one warm-up, the variants alternating within each round;
+same process, same threads.
 
     python bench/moe_mla_cpu.py [--context 4096] [--tokens 256] [--repeats 5]
 """
@@ -39,33 +40,40 @@ QWEN3_30B_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_
                      vocab_size=151936, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
 
 
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def medians_s(fns: dict, repeats: int) -> dict:
+    """name -> median seconds of ``fns[name]()``, after one warm-up call each; every round calls
+    each function once, starting with a different one, so bursts of load on a shared machine
+    and cache effects of the previous call hit them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    names = list(fns)
+    times = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each goes first in turn
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_mla(context: int, repeats: int) -> None:
     spec = spec_from_config(DEEPSEEK_V3_ATTN, weight_dtype="fp32", kv_dtype="fp32")
     g = torch.Generator().manual_seed(0)
     h, d, qk = spec.n_heads, spec.hidden, spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    r, latent_per_token = spec.kv_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim
 
     def rand(*shape):
         return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
 
-    w = MlaWeights(kv_a=rand(spec.kv_lora_rank + spec.qk_rope_head_dim, d), kv_a_norm=torch.ones(spec.kv_lora_rank),
-                   kv_b=rand(h * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
+    w = MlaWeights(kv_a=rand(latent_per_token, d), kv_a_norm=torch.ones(r),
+                   kv_b=rand(h * (spec.qk_nope_head_dim + spec.v_head_dim), r),
                    o=rand(d, h * spec.v_head_dim), q_a=rand(spec.q_lora_rank, d),
                    q_a_norm=torch.ones(spec.q_lora_rank), q_b=rand(h * qk, spec.q_lora_rank))
     rope = mla_rope(spec)
-    prompt, step = torch.randn(1, context, d, generator=g), torch.randn(1, 1, d, generator=g)
-    cache = LatentCache(1, context + 1, spec, torch.float32)
-    with torch.no_grad():
-        mla_forward(prompt, w, spec, rope, cache, absorbed=True)
+    step = torch.randn(1, 1, d, generator=g)
+    cache = LatentCache(1, context + 1, spec, torch.float32)  # filled with random cached tokens
+    cache.latent.normal_(generator=g)
+    cache.k_rope.normal_(generator=g)
 
     def decode(absorbed):
         def run():
@@ -74,14 +82,15 @@ def bench_mla(context: int, repeats: int) -> None:
         return run
 
     with torch.no_grad():
-        absorbed_s = median_s(decode(True), repeats)
-        naive_s = median_s(decode(False), repeats)
-    full_kv_bytes = context * 2 * h * qk * 4
+        t = medians_s({"absorbed": decode(True), "decompressed": decode(False)}, repeats)
+    absorbed_s, naive_s = t["absorbed"], t["decompressed"]
+    full_kv_bytes, latent_bytes = context * 2 * h * qk * 4, context * latent_per_token * 4
     print(f"MLA decode, DeepSeek-V3 layer, context {context}, fp32, {torch.get_num_threads()} threads")
     print(f"  absorbed      {absorbed_s * 1e3:9.2f} ms/token")
-    print(f"  decompressed  {naive_s * 1e3:9.2f} ms/token   decompressed/absorbed = {naive_s / absorbed_s:.2f}")
-    print(f"  cache bytes: latent {cache.latent[:, :context].nbytes + cache.k_rope[:, :context].nbytes:,}"
-          f" vs full K/V {full_kv_bytes:,} (ratio {full_kv_bytes / (context * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 4):.1f})")
+    print(f"  decompressed  {naive_s * 1e3:9.2f} ms/token   decompressed/absorbed = "
+          f"{naive_s / absorbed_s:.2f}")
+    print(f"  cache bytes: latent {latent_bytes:,} vs full K/V {full_kv_bytes:,} "
+          f"(ratio {full_kv_bytes / latent_bytes:.1f})")
 
 
 def bench_moe(tokens: int, repeats: int) -> None:
@@ -97,13 +106,15 @@ def bench_moe(tokens: int, repeats: int) -> None:
                      {e: Expert(gate_up[e], down[e]) for e in range(spec.n_experts)})
     everything = [range(spec.n_experts)]
     halves = [range(0, spec.n_experts, 2), range(1, spec.n_experts, 2)]
-    print(f"MoE layer, Qwen3-30B-A3B shapes (128 experts x 768, top-8), fp32, {torch.get_num_threads()} threads")
+    print(f"MoE layer, Qwen3-30B-A3B shapes (128 experts x 768, top-8), fp32, "
+          f"{torch.get_num_threads()} threads")
     for n in (1, tokens):
         x = torch.randn(n, spec.hidden, generator=torch.Generator().manual_seed(n))
         with torch.no_grad():
-            one = median_s(lambda: moe_forward(x, layer, spec, everything), repeats)
-            two = median_s(lambda: moe_forward(x, layer, spec, halves), repeats)
-            hf = median_s(lambda: block(x[None]), repeats)
+            t = medians_s({"one": lambda: moe_forward(x, layer, spec, everything),
+                           "two": lambda: moe_forward(x, layer, spec, halves),
+                           "transformers": lambda: block(x[None])}, repeats)
+        one, two, hf = t["one"], t["two"], t["transformers"]
         print(f"  {n:4d} tokens: one subset {one * 1e3:8.2f} ms  two subsets {two * 1e3:8.2f} ms "
               f"(x{two / one:.2f})  transformers {hf * 1e3:8.2f} ms  (hetplan/transformers {one / hf:.2f})")
 

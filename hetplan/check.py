@@ -124,7 +124,7 @@ def placement_diffs(old: Plan, new: Plan) -> list:
 def reproducible(plan: Plan) -> bool:
     """A placement recompiles identically unless its solve was cut by wall-clock time: an
     incumbent at a time limit depends on the machine's speed (a node limit does not)."""
-    return plan.solver["status"] != "time_limit_reached"
+    return not plan.solver["status"].startswith("time_limit")
 
 
 def _summary(plan: Plan) -> str:

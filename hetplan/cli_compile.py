@@ -7,6 +7,7 @@ Notes for the user (e.g. which dtype ``--weight-dtype auto`` chose) always go to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -17,6 +18,7 @@ from hetplan.plan import write_atomic
 from hetplan.units import format_bytes, format_seconds
 
 _DTYPES = ", ".join(BITS_PER_ELEMENT)
+_DEFAULTS = {f.name: f for f in dataclasses.fields(CompileRequest)}
 
 _EPILOG = """\b
 Examples:
@@ -50,14 +52,19 @@ Examples:
               help=f"Weight storage dtype: auto (the checkpoint's dtype if everything fits in GPU + CPU "
                    f"memory, else q8_0, else q4_k_m) or one of {_DTYPES}.")
 @click.option("--kv-dtype", default=None, metavar="DTYPE",
-              help="KV cache dtype (default: the model's compute dtype, e.g. bf16).")
+              help="KV cache dtype (default: the checkpoint's dtype, e.g. bf16, also when the weights are "
+                   "quantised).")
 @click.option("--gpu-mem", default=None, metavar="SIZE",
               help="Usable GPU memory, replacing the node's (total - reserve), e.g. 20GiB or 16GB.")
 @click.option("--cpu-mem", default=None, metavar="SIZE",
               help="Usable CPU memory, replacing the node's (total - reserve), e.g. 48GiB.")
-@click.option("--time-limit", "time_limit_s", default=60.0, show_default=True, type=float, metavar="SECONDS",
-              help="ILP time limit per staging depth; when hit, the best plan found is kept and its "
-                   "status says time_limit_reached with the MIP gap.")
+@click.option("--time-limit", "time_limit_s", default=_DEFAULTS["time_limit_s"].default, show_default=True,
+              type=float, metavar="SECONDS",
+              help="ILP wall-clock limit per staging depth; when hit, the best plan found is kept, its "
+                   "status says time_limit with the MIP gap, and it may differ between machines.")
+@click.option("--max-nodes", default=_DEFAULTS["max_nodes"].default, show_default=True, type=int, metavar="N",
+              help="ILP branch-and-bound nodes per staging depth: a deterministic limit (the same plan on "
+                   "every machine); when hit, the status says node_limit with the MIP gap.")
 @click.option("--dump-lp", default=None, metavar="FILE",
               help="Also write the MILP in LP format, one file per staging depth tried "
                    "(model.lp -> model.depth1.lp, model.depth2.lp).")
@@ -68,17 +75,19 @@ Examples:
               help="Print one JSON object (path, predicted, memory, solver with solve_seconds, notes"
                    "[, compare]) to stdout and nothing else there.")
 def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, weight_dtype, kv_dtype,
-            gpu_mem, cpu_mem, time_limit_s, dump_lp, compare, as_json):
+            gpu_mem, cpu_mem, time_limit_s, max_nodes, dump_lp, compare, as_json):
     """Plan MODEL on a machine and write the plan.
 
     MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
     one, or an .onnx file."""
     if time_limit_s <= 0:
         raise click.BadParameter("must be a positive number of seconds", param_hint="--time-limit")
+    if max_nodes <= 0:
+        raise click.BadParameter("must be a positive number of nodes", param_hint="--max-nodes")
     req = CompileRequest(model=model, hw=hw, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
                          objective=objective, strategy=strategy, weight_dtype=weight_dtype,
                          kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
-                         dump_lp=dump_lp)
+                         max_nodes=max_nodes, dump_lp=dump_lp)
     plan, solve_s = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)

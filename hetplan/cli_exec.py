@@ -13,7 +13,8 @@ from hetplan.units import format_bytes, format_seconds
 
 
 class _Progress:
-    """Progress on stderr: one updating line on a terminal, a few plain lines otherwise."""
+    """Progress on stderr: one updating line on a terminal; otherwise a line when a stage starts,
+    at each quarter of decode, and when a stage ends."""
 
     def __init__(self):
         self.tty = sys.stderr.isatty()
@@ -21,17 +22,17 @@ class _Progress:
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         label = {"loading": "loading weights", "prefill": "prefill", "decode": "decode"}[stage]
-        unit = {"loading": "blocks", "prefill": "", "decode": "tokens"}[stage]
-        line = f"{label} {done}/{total} {unit}".rstrip() if stage != "prefill" else "prefill"
+        unit = {"loading": " blocks", "prefill": "", "decode": " tokens"}[stage]
+        line = label if stage == "prefill" else f"{label} {done}/{total}{unit}"
         if self.tty:
             click.echo(f"\r\033[K{line}", err=True, nl=False)
             if stage == "decode" and done == total:
                 click.echo("", err=True)
             return
-        tenth = (stage, done * 10 // max(1, total))
-        if tenth != self.last:
+        mark = (stage, done * 4 // max(1, total) if stage == "decode" else done == total)
+        if mark != self.last:
             click.echo(line, err=True)
-            self.last = tenth
+            self.last = mark
 
 
 @click.command("exec")
@@ -96,17 +97,17 @@ def _report(r, trace_path) -> None:
         click.echo(f"sequence {i}: {' '.join(map(str, seq))}")
         if r.text:
             click.echo(f"  text: {r.text[i]!r}")
-    click.echo(f"{'':22}{'measured':>12}{'predicted':>12}{'error':>9}")
+    click.echo(f"{'':18}{'measured':>13}{'predicted':>13}{'error':>11}")
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("decode_tokens_per_s", "decode tokens/s")):
         m, p, e = r.measured[key], r.predicted[key], r.relative_error[key]
-        fmt = format_seconds if key.endswith("_s") and key != "decode_tokens_per_s" else (lambda v: f"{v:.1f}")
-        click.echo(f"{label:22}{fmt(m) if m is not None else '-':>12}{fmt(p):>12}"
-                   f"{f'{e:+.1%}' if e is not None else '-':>9}")
+        fmt = (lambda v: f"{v:.1f}") if key == "decode_tokens_per_s" else format_seconds
+        click.echo(f"{label:18}{fmt(m) if m is not None else '-':>13}{fmt(p):>13}"
+                   f"{f'{e:+.1%}' if e is not None else '-':>11}")
     for tier in ("gpu", "cpu"):
         if r.mode == "cpu" and tier == "gpu":
             continue
-        click.echo(f"peak {tier.upper()} memory{'':9}{format_bytes(r.peak_bytes[tier]):>12}"
-                   f"{format_bytes(r.planned_bytes[tier]):>12}")
+        click.echo(f"{f'peak {tier.upper()} memory':18}{format_bytes(r.peak_bytes[tier]):>13}"
+                   f"{format_bytes(r.planned_bytes[tier]):>13}")
     if r.h2d_bytes_per_s:
         click.echo(f"weight loads achieved {format_bytes(r.h2d_bytes_per_s)}/s")
     if trace_path:

@@ -40,8 +40,8 @@ class CompileRequest:
     kv_dtype: str | None = None
     gpu_mem: str | None = None
     cpu_mem: str | None = None
-    time_limit_s: float = 60.0
-    max_nodes: int = 400
+    time_limit_s: float = 30.0
+    max_nodes: int = 30
     dump_lp: str | None = None
     notes: list = field(default_factory=list, compare=False)
     """Messages for the user (e.g. which dtype ``auto`` chose); filled while compiling."""
@@ -93,6 +93,10 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
         return dec, info, time.perf_counter() - t0
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, dump_lp=req.dump_lp)
     res = ilp.solve(problem, opts)
+    if res.decision is not None and res.objective_s is None:
+        # No GPU: the all-CPU plan is the only placement, so it is its own bound.
+        obj = objective_s(problem, predictions(problem, build_schedule(problem, res.decision)))
+        res = dataclasses.replace(res, objective_s=obj, bound_s=obj)
     info = {"strategy": "ilp", "status": res.status, "mip_gap": res.mip_gap, "lower_bound_s": res.bound_s,
             "milp_objective_s": res.objective_s,
             "options": {"time_limit_s": opts.time_limit_s, "max_nodes": opts.max_nodes,

@@ -12,6 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from hetplan.canonical import rounded
 from hetplan.dtypes import bytes_per_element, check_dtype
 from hetplan.errors import HetplanError
 
@@ -214,7 +215,7 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         """sha256 over every shape-determining field (16 hex digits)."""
-        d = dataclasses.asdict(self)
+        d = rounded(dataclasses.asdict(self))
         d.pop("name")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

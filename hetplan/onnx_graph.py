@@ -9,10 +9,11 @@ stage per phase. Its costs come from the graph with the workload's sizes bound t
   attention products are the graph's own: the full prompt x prompt square in prefill (the
   export masks it, it does not skip it), logits for every position when the export emits them.
 - bytes: the weights the block reads (every float constant its nodes consume, counted once per
-  block; of an embedding table, only the rows a Gather fetches) plus the tensors that cross the block's boundary: inputs from other blocks or the
-  graph (past keys and values included) and outputs to other blocks or the graph (the present
-  keys and values: the export rewrites the whole cache each step). Intermediates inside a block
-  are not counted, as in the analytic model's fused stages.
+  block; of an embedding table, only the rows a Gather fetches) plus the tensors that cross the
+  block's boundary: inputs from other blocks or the graph (past keys and values included) and
+  outputs to other blocks or the graph (the present keys and values: the export rewrites the
+  whole cache each step). Intermediates inside a block are not counted, as in the analytic
+  model's fused stages.
 - in_bytes (what crosses PCIe when the previous stage ran on the other device): every value
   produced before the block and read by it or a later block (``OnnxModel.live_values``): the
   runtime carries them together from block to block.
@@ -40,7 +41,6 @@ from hetplan.graph import PHASES, Block, BlockGraph, Stage
 from hetplan.model import ModelSpec
 from hetplan.onnx_import import OnnxModel, open_onnx
 from hetplan.onnx_load import FLOAT_TYPES, ITEMSIZE
-from hetplan.onnx_shapes import infer
 from hetplan.workload import Workload
 
 METADATA_OPS = ("Shape", "Size")
@@ -131,14 +131,14 @@ def _phase_costs(m: OnnxModel, spec: ModelSpec, wl: Workload, phase: str) -> lis
     fractional."""
     b = wl.batch
     if phase == "prefill":
-        return block_costs(m, spec, infer(m.graph, m.input_shapes(b, wl.prompt_len, 0)), b * wl.prompt_len)
+        return block_costs(m, spec, m.shapes(b, wl.prompt_len, 0), b * wl.prompt_len)
     length = wl.decode_context_len - 1 if m.with_past else wl.decode_context_len
     lo = math.floor(length)
     frac = length - lo
 
     def at(n):
-        shapes = m.input_shapes(b, 1, n) if m.with_past else m.input_shapes(b, n, 0)
-        return block_costs(m, spec, infer(m.graph, shapes), b * (1 if m.with_past else n))
+        env = m.shapes(b, 1, n) if m.with_past else m.shapes(b, n, 0)
+        return block_costs(m, spec, env, b * (1 if m.with_past else n))
 
     low = at(lo)
     if frac == 0:

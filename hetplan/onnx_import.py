@@ -74,6 +74,14 @@ class OnnxModel:
                     live[b].append(x)
         return [sorted(v) for v in live]
 
+    def shapes(self, batch: int, seq: int, past: int) -> dict:
+        """Every value's AVal (shape, dtype, small values) for these sizes (``input_shapes``)."""
+        try:
+            return infer(self.graph, self.input_shapes(batch, seq, past))
+        except HetplanError as e:
+            msg = str(e)
+            raise HetplanError(msg if msg.startswith(str(self.path)) else f"{self.path}: {msg}") from None
+
     def input_shapes(self, batch: int, seq: int, past: int) -> dict:
         """Every graph input's shape for ``batch`` sequences of ``seq`` new tokens after ``past``
         cached ones; an input whose fixed size disagrees is an error saying how to re-export."""
@@ -181,7 +189,7 @@ def spec_from_onnx(path: str | Path, weight_dtype: str | None = None,
     """The ModelSpec of an ONNX decoder export; sizes read off the graph."""
     m = open_onnx(path)
     g, blocks = m.graph, m.blocks
-    env = infer(g, m.input_shapes(1, 2, 1 if m.with_past else 0))
+    env = m.shapes(1, 2, 1 if m.with_past else 0)
     const = m.constant_values()
     table = g.initializers[blocks.token_embedding]
     vocab, hidden = table.dims

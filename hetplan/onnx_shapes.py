@@ -21,6 +21,7 @@ from hetplan.onnx_ir import SMALL_ELEMS, OnnxGraph
 BOOL, INT64, FLOAT = 9, 7, 1
 NP_DTYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 5: np.int16, 6: np.int32, 7: np.int64,
              9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+ONNX_TYPES = {v: k for k, v in NP_DTYPES.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,14 +276,13 @@ def _constant(node, ins, opset):
         v = np.asarray(a["value_floats"], dtype=np.float32)
     else:
         raise HetplanError(f"node {node.name!r} (Constant): unsupported constant attribute {sorted(a)}")
-    dtype = {v: k for k, v in NP_DTYPES.items()}.get(v.dtype.type, FLOAT)
-    return [_make(v.shape, dtype, v)]
+    return [_make(v.shape, ONNX_TYPES.get(v.dtype.type, FLOAT), v)]
 
 
 def _constant_of_shape(node, ins, opset):
     shape = [int(d) for d in _val(ins[0], node, "shape")]
     fill = node.attrs.get("value", np.zeros(1, dtype=np.float32))
-    dtype = {v: k for k, v in NP_DTYPES.items()}.get(fill.dtype.type, FLOAT)
+    dtype = ONNX_TYPES.get(fill.dtype.type, FLOAT)
     value = np.full(shape, fill.reshape(-1)[0], dtype=fill.dtype) if math.prod(shape) <= SMALL_ELEMS else None
     return [_make(shape, dtype, value)]
 
@@ -348,8 +348,6 @@ def infer(graph: OnnxGraph, input_shapes: dict) -> dict:
         ins = [env[i] if i else None for i in node.inputs]
         try:
             outs = RULES[node.op](node, ins, graph.opset)
-        except HetplanError:
-            raise
         except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError) as e:
             shapes = [None if x is None else x.shape for x in ins]
             raise HetplanError(f"node {node.name!r} ({node.op}): inputs of shapes {shapes} do not fit "

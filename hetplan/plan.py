@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetplan.canonical import rounded
 from hetplan.errors import HetplanError
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
@@ -130,7 +131,7 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(_rounded(self.to_dict()), sort_keys=True, indent=1) + "\n"
+        return json.dumps(rounded(self.to_dict()), sort_keys=True, indent=1) + "\n"
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan.json") -> "Plan":
@@ -185,14 +186,3 @@ def write_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _rounded(x):
-    """Round floats to 10 significant digits so plans are byte-stable across platforms."""
-    if isinstance(x, float):
-        return float(f"{x:.10g}")
-    if isinstance(x, dict):
-        return {k: _rounded(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_rounded(v) for v in x]
-    return x

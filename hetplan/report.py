@@ -140,7 +140,8 @@ def solver_line(plan: Plan) -> str:
     if gap is not None:
         parts.append(f"MIP gap {100 * gap:.4g}%")
     if s.get("lower_bound_s") is not None:
-        parts.append(f"MILP bound {format_seconds(s['lower_bound_s'])}")
+        minimised = "latency" if plan.workload.objective == "throughput" else plan.workload.objective
+        parts.append(f"MILP bound on {minimised} {format_seconds(s['lower_bound_s'])}")
     if s.get("incumbent"):
         parts.append(f"kept {s['incumbent']}")
     size = s.get("size")
@@ -148,7 +149,8 @@ def solver_line(plan: Plan) -> str:
         parts.append(f"{size['binaries']} binaries, {size['constraints']} constraints")
     line = "solver: " + ", ".join(parts)
     if s["status"] not in ("optimal", "heuristic"):
-        line += "  (not proven optimal: raise --time-limit and recompile)"
+        flag = {"node_limit": "--max-nodes", "time_limit": "--time-limit"}.get(s["status"])
+        line += "  (not proven optimal" + (f": raise {flag} and recompile)" if flag else ")")
     return line
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
+from hetplan.plan import write_atomic
 
 SUM_TOLERANCE = 1e-3
 """How far a layer's fractions may sum from ``experts_per_token`` (relative to it): room for
@@ -91,8 +92,6 @@ def stats_from_counts(spec: ModelSpec, counts: dict, tokens: int) -> RoutingStat
 
 def write_routing(path: str | Path, stats: RoutingStats) -> None:
     """Write ``stats`` to ``path`` atomically."""
-    from hetplan.plan import write_atomic
-
     write_atomic(path, stats.to_json())
 
 

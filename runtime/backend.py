@@ -2,7 +2,7 @@
 
 The executor knows tasks, queues, devices, tiers and when a tensor may be freed; a backend
 knows one model family's math and tensor names. Neither knows the other's internals. They meet
-in five calls, all made with plain tensors:
+in these calls, all made with plain tensors:
 
 - ``block_tensors(block, kind, layer)`` -> the weights one block owns, as ``TensorSpec`` (local
   name, checkpoint name, shape). The runtime reads those names from a checkpoint (or makes
@@ -26,15 +26,21 @@ in five calls, all made with plain tensors:
   ``call.device``, and is safe to call from two threads at once for different stages (the
   executor runs the ``gpu`` and ``cpu`` queues concurrently).
 
+Optionally, ``fused()`` -> ``{name: (local, ...)}`` names groups of weights that
+``block_tensors`` lists back to back with equal trailing dims; the weights handed to ``run`` then
+also hold ``name``, one view over their concatenation (e.g. q, k and v as one matrix). ``run``
+must work with or without it.
+
 Attention contract: ``attn_core`` receives ``call.kv``, the block's cache, when the cache lives
 on ``call.device``: it writes this step's values at positions
 ``[step.start, step.start + step.new_tokens)`` and attends over the cache up to there (causal).
 When the cache lives on the other tier (prefill only; the plan then holds a ``kv_down`` task),
 ``call.kv`` is None and it attends over the prompt's own k/v.
 
-Backends are found by ``backend_for(spec)`` in ``BACKENDS``: family -> ``module:Class``, imported
-on use. A family with stages this runtime cannot execute yet (``moe``, multi-head latent
-attention) has no row and is refused with the capability it lacks; adding one is adding a row.
+Backends are found by ``backend_for(spec)``: a plan compiled from an ONNX graph runs that graph
+(``onnx_backend``); otherwise ``BACKENDS`` maps the family to ``module:Class``, imported on use.
+A family with stages this runtime cannot execute yet (``moe``, multi-head latent attention) has
+no row and is refused with the capability it lacks; adding one is adding a row.
 """
 
 from __future__ import annotations

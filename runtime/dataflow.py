@@ -101,7 +101,11 @@ def build_program(phase: str, schedule: PhaseSchedule, reads, writes) -> Program
 
     deps = {i: [] for i in range(len(tasks))}
     for src, dst in schedule.edges:
+        if src not in index or dst not in index:
+            raise HetplanError(f"plan schedule {phase}: edge {src} -> {dst} names a task that does not "
+                               f"exist; recompile the plan")
         deps[index[dst]].append(index[src])
+    _check_acyclic(phase, tasks, deps)
     ops = tuple(Op(i, t, _device(t), op_reads[i], op_writes[i], tuple(deps[i])) for i, t in enumerate(tasks))
     readers = {}
     for op in ops:
@@ -114,6 +118,33 @@ def build_program(phase: str, schedule: PhaseSchedule, reads, writes) -> Program
     for op in ops:
         lanes.setdefault(op.task.resource, []).append(op.index)
     return Program(phase, ops, {r: tuple(v) for r, v in lanes.items()}, readers, inputs, outputs)
+
+
+def _check_acyclic(phase: str, tasks, deps: dict) -> None:
+    """Queue order plus edges must leave an order to run in, or the lanes would wait forever."""
+    after = {i: [] for i in range(len(tasks))}
+    waits = {i: len(d) for i, d in deps.items()}
+    for i, d in deps.items():
+        for j in d:
+            after[j].append(i)
+    last = {}
+    for i, t in enumerate(tasks):
+        if t.resource in last:
+            after[last[t.resource]].append(i)
+            waits[i] += 1
+        last[t.resource] = i
+    ready = [i for i, n in waits.items() if n == 0]
+    seen = 0
+    while ready:
+        i = ready.pop()
+        seen += 1
+        for j in after[i]:
+            waits[j] -= 1
+            if waits[j] == 0:
+                ready.append(j)
+    if seen != len(tasks):
+        raise HetplanError(f"plan schedule {phase}: the tasks' queue order and edges form a cycle; "
+                           f"recompile the plan")
 
 
 def _device(t: Task) -> str:

@@ -13,6 +13,7 @@ heads, hd head dim, G = H / KVH queries per key/value head, V vocab.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,9 @@ class DenseBackend:
     def block_tensors(self, block: str, kind: str, layer: int | None) -> list[TensorSpec]:
         return dense_layout.block_tensors(self.spec, kind, layer)
 
+    def fused(self) -> dict[str, tuple[str, ...]]:
+        return dense_layout.FUSED
+
     def reads(self, kind: str) -> tuple[str, ...]:
         return _READS[kind]
 
@@ -118,6 +122,9 @@ class DenseBackend:
         h = self._norm(x, w)
         if "qkv_t" in w:
             q, k, v = torch.addmm(w["qkv_bias"], h.view(b * n, -1), w["qkv_t"]).split(s.hidden, dim=-1)
+        elif "qkv" in w:
+            kv_dim = s.n_kv_heads * s.head_dim
+            q, k, v = F.linear(h, w["qkv"], w.get("qkv_bias")).split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
         else:
             q, k, v = (F.linear(h, w[p], w.get(f"{p}_bias")) for p in ("q", "k", "v"))
         q = q.reshape(b, n, s.n_heads, s.head_dim)             # [B, S, H, hd]
@@ -156,7 +163,10 @@ class DenseBackend:
     def _mlp(self, c: StageCall) -> dict:
         w, x = c.weights, c.inputs["x"]
         h = self._norm(x, w)
-        if "gate" in w:
+        if "gate_up" in w:
+            gate, up = F.linear(h, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
+            y = F.linear(self.act(gate).mul_(up), w["down"], w.get("down_bias"))
+        elif "gate" in w:
             y = self.act(F.linear(h, w["gate"], w.get("gate_bias"))).mul_(F.linear(h, w["up"], w.get("up_bias")))
             y = F.linear(y, w["down"], w.get("down_bias"))
         elif "up_t" in w:
@@ -192,6 +202,24 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+SMALL_ATTENTION_ELEMS = 1 << 18
+"""Decode attention over at most this many cached key elements runs on one CPU thread: it takes
+microseconds, less than forking and joining a team of threads (far less on a busy machine)."""
+
+
+@contextmanager
+def _one_cpu_thread(active: bool):
+    if not active:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)   # this thread's setting only
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v over T keys; q [B, S, H, hd] holds positions
     start..start+S-1, k/v [B, T, KVH, hd] positions 0..T-1; returns [B, S, H*hd]."""
@@ -201,7 +229,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     if n == 1:
         # One query per sequence sees every cached key: the G query heads sharing a key/value
         # head ride the sequence axis, so no key/value head is ever repeated.
-        o = F.scaled_dot_product_attention(q.reshape(b, kvh, h // kvh, hd), kt, vt, scale=scale)
+        with _one_cpu_thread(q.device.type == "cpu" and k.numel() <= SMALL_ATTENTION_ELEMS):
+            o = F.scaled_dot_product_attention(q.reshape(b, kvh, h // kvh, hd), kt, vt, scale=scale)
         return o.reshape(b, 1, h * hd)
     mask = None
     if start:

@@ -69,6 +69,7 @@ class Devices:
         if mode == "cuda":
             # Activation copies are small and on the critical path: the highest priority
             # (priority_range() is (least, greatest)).
+            torch.cuda.reset_peak_memory_stats(self.gpu)
             high = torch.cuda.Stream.priority_range()[1]
             self.streams = {"gpu": torch.cuda.Stream(), "h2d": torch.cuda.Stream(), "d2h": torch.cuda.Stream(),
                             "h2d_act": torch.cuda.Stream(priority=high),

@@ -2,7 +2,9 @@
 
 Each resource (``gpu``, ``cpu``, ``h2d``, ``d2h``, ``h2d_act``, ``d2h_act``) is a lane that runs
 its tasks in the plan's order. A lane is served by a host thread: the calling thread serves the
-``gpu`` lane (or the ``cpu`` lane of a CPU-only plan), persistent worker threads the others.
+``cpu`` lane (the ``gpu`` lane when a phase has no CPU task) with all of torch's intra-op threads,
+persistent worker threads serve the others with one each (they issue CUDA work or copy; an
+emulated GPU beside a CPU lane would otherwise fight it for the same cores).
 
 - On a real GPU the CUDA lanes *issue* work on their own stream without blocking: a dependency on
   another stream is a ``wait_event`` on the producer's CUDA event, a dependency on the CPU lane
@@ -103,9 +105,8 @@ class Executor:
                         if trace:
                             self.timers[ph, op.index] = (torch.cuda.Event(enable_timing=True),
                                                          torch.cuda.Event(enable_timing=True))
-        self.home = {ph: "gpu" if "gpu" in prog.lanes else "cpu" for ph, prog in programs.items()}
+        self.home = {ph: "cpu" if "cpu" in prog.lanes else "gpu" for ph, prog in programs.items()}
         self._threads = {}
-        self._num_threads = torch.get_num_threads()
 
     # -- one phase ---------------------------------------------------------------------------
     def run(self, phase: str, step: Step, inputs: dict) -> tuple[dict, list]:
@@ -115,6 +116,10 @@ class Executor:
         run = _Run(prog, step, self.devices, self.trace)
         for name, t in inputs.items():
             run.put((INPUT, name), t, prog.inputs[name], f"input {name}")
+        if self.devices.cuda:  # inputs (and first-run weights) were copied on the default stream
+            for lane in prog.lanes:
+                if self.devices.stream(lane) is not None:
+                    self.devices.stream(lane).wait_stream(torch.cuda.current_stream())
         t0_event = None
         if self.timers:
             t0_event = torch.cuda.Event(enable_timing=True)
@@ -225,8 +230,9 @@ class Executor:
             self._threads[lane] = (jobs, th)
         return self._threads[lane][0]
 
+    @torch.inference_mode()
     def _serve(self, jobs: queue.SimpleQueue) -> None:
-        torch.set_num_threads(self._num_threads)
+        torch.set_num_threads(1)  # this thread's own setting; the caller's stays as it was
         while True:
             job = jobs.get()
             if job is None:

@@ -1,11 +1,12 @@
 """A plain-torch forward pass of the MoE families (mixtral, qwen3_moe, deepseek), built from the
 runtime's MoE and MLA pieces, with a KV or latent cache for greedy decoding.
 
-It is the specification the plan executor's MoE and MLA stages are tested against, and the
-tests check it against transformers: each layer is RMSNorm -> attention (GQA with rope and
-qwen3's per-head q/k norm, or MLA) -> residual -> RMSNorm -> MLP (dense, or MoE with the experts
-split into ``expert_subsets`` as a plan splits them between devices) -> residual; then the final
-norm and the LM head. Everything runs on one device, one stage after the other.
+It shows how the pieces compose into a model, which is what a plan executor's MoE and MLA
+stages must compute, and the tests check it against transformers. Each layer is RMSNorm ->
+attention (GQA with rope and qwen3's per-head q/k norm, or MLA) -> residual -> RMSNorm -> MLP
+(dense, or MoE with the experts split into ``expert_subsets`` as a plan splits them between
+devices) -> residual; then the final norm and the LM head. Everything runs on one device, one
+stage after the other.
 
 This module knows the model's arithmetic; it knows nothing about plans, schedules, streams
 or where tensors live.
@@ -60,8 +61,9 @@ class ReferenceModel:
         self.dense = {l: Expert.from_parts(blocks[f"mlp_{l}"]["gate"], blocks[f"mlp_{l}"]["up"],
                                            blocks[f"mlp_{l}"]["down"])
                       for l in range(spec.n_layers) if not spec.is_moe_layer(l)}
-        self.rope = mla_rope(spec) if spec.is_mla else Rope.build(
+        rope = mla_rope(spec) if spec.is_mla else Rope.build(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_positions, interleaved=False)
+        self.rope = rope.to(blocks["embed"]["tok"].device)
         self.caches: list = []
 
     def start(self, batch: int, max_len: int) -> None:

@@ -27,7 +27,6 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
 from hetplan.onnx_import import open_onnx
-from hetplan.onnx_shapes import infer
 from hetplan.runtime.backend import StageCall, TensorSpec
 from hetplan.runtime.onnx_ops import TORCH_OF_ONNX
 from hetplan.runtime.onnx_run import run_nodes
@@ -65,7 +64,7 @@ class OnnxBackend:
         self.source = OnnxWeights(m)
         g, blocks = m.graph, m.blocks
         self.index = {name: i for i, name in enumerate(blocks.names)}
-        env = infer(g, m.input_shapes(1, 2, 1 if m.with_past else 0))
+        env = m.shapes(1, 2, 1 if m.with_past else 0)
         const = m.constant_values()
         native_torch = TORCH_OF_ONNX[{"fp32": 1, "fp16": 10, "bf16": 16}[native]]
         n = len(blocks.names)
@@ -91,8 +90,7 @@ class OnnxBackend:
                 else:
                     reads[b].add((x, node.op in METADATA_OPS))
         self._small = sorted(small)
-        produced_in[blocks.token_ids] = 0  # the embedding receives the ids; later readers get them in the state
-        inputs = {i.name for i in g.inputs} - {blocks.token_ids}
+        inputs = {i.name for i in g.inputs} - {blocks.token_ids}  # the ids travel in the state
         self._live = m.live_values()
         self._graph_inputs = [sorted({x for x, _ in reads[b] if x in inputs}) for b in range(n)]
         self._past = [[p for p in m.past_inputs if (p, False) in reads[b]] for b in range(n)]
@@ -103,6 +101,10 @@ class OnnxBackend:
         outputs = list(g.outputs)
         self._present = [[o for o in outputs if produced_in.get(o) == b] if blocks.kinds[b] == "attn" else []
                          for b in range(n)]
+        for b in range(n):  # present i is past i with this step appended (both in graph order)
+            if len(self._present[b]) != len(self._past[b]):
+                raise HetplanError(f"{m.path}: block {blocks.names[b]} reads {len(self._past[b])} past and "
+                                   f"writes {len(self._present[b])} present key/value tensors; they must pair up")
         head = n - 1
         self._logits = next((o for o in outputs if produced_in.get(o) == head), None)
         if self._logits is None:
@@ -148,7 +150,8 @@ class OnnxBackend:
         if call.kind == "embed":
             ids = call.inputs["ids"]
             if not self.m.with_past:
-                self._history = ids if step.start == 0 else torch.cat([self._history, ids.to(self._history.device)], 1)
+                previous = [] if step.start == 0 else [self._history.to(ids.device)]
+                self._history = torch.cat(previous + [ids], 1)
                 ids = self._history
             env[self.m.blocks.token_ids] = ids
         else:

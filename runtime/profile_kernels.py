@@ -3,8 +3,9 @@
 A ``Kernel`` is one (device, op, dtype, shape, x) point to time: ``setup()`` allocates its
 tensors and returns the call to time, ``work`` is its FLOPs and bytes under the cost model's
 formulas (``hetplan.cost``, ``hetplan.graph``), so a measured point and a planned stage of the
-same size sit at the same coordinate of the table. Groups share tensors: the points of one
-(op, shape) reuse the weights their first point allocated.
+same size sit at the same coordinate of the table. The points of one group (the stages of one
+block, or one shape of the grid) reuse the weights their first point allocated; each call reads
+its operands cold (``copies``), as a forward pass through many layers does.
 
 Stage kernels run the runtime's own backend (``backend.run``) on random weights, so the table
 holds what ``hetplan exec`` will execute; the standard grid runs plain torch GEMMs and

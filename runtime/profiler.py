@@ -125,7 +125,10 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
             tick(_label(k))
         kernels = [k for k in kernels if k not in emulated]
         with torch.inference_mode():  # as the runtime executes stages
-            _run_kernels(kernels, rates, overhead, entries, budget, tick)
+            # A second pass gives what the first left of the budget to the points that did
+            # not fit in their group's share.
+            left_over = _run_kernels(kernels, rates, overhead, entries, budget, tick, final=False)
+            _run_kernels(left_over, rates, overhead, entries, budget, tick, final=True)
     _grid_flops_peaks(entries, peaks)
     table = ProfileTable(entries={k: Entry(*k, tuple(sorted(v.values(), key=lambda p: p.x))) for k, v in entries.items()},
                          machine=machine, transfers=transfers,
@@ -250,13 +253,23 @@ def _model_kernels(spec, device: str, budget: Budget) -> list:
         return []
 
 
-def _run_kernels(kernels: list, rates: dict, overhead: dict, entries: dict, budget: Budget, tick) -> None:
+def _run_kernels(kernels: list, rates: dict, overhead: dict, entries: dict, budget: Budget, tick,
+                 final: bool) -> list:
     """Time every kernel whose estimate fits (each group gets an equal share of what is left)
-    and record it as a task: its median call plus the runtime's per-task ``overhead[device]``."""
-    groups = {}
+    and record it as a task: its median call plus the runtime's per-task ``overhead[device]``.
+    Returns the kernels that did not fit; on the ``final`` pass they are recorded as skipped."""
+    groups, left_over = {}, []
     for k in kernels:
         groups.setdefault(k.group, []).append(k)
-    for gi, (name, ks) in enumerate(groups.items()):
+
+    def give_up(k, why):
+        if final:
+            budget.skip(_label(k), why)
+            tick(_label(k))
+        else:
+            left_over.append(k)
+
+    for gi, ks in enumerate(groups.values()):
         group_end = time.perf_counter() + budget.left_s() / (len(groups) - gi)
         cache = {}
         ks = sorted(ks, key=lambda k: (k.work.flops, k.work.bytes))
@@ -265,15 +278,13 @@ def _run_kernels(kernels: list, rates: dict, overhead: dict, entries: dict, budg
             group_left = group_end - time.perf_counter()
             if est > min(group_left, budget.left_s()):
                 for rest in ks[i:]:
-                    budget.skip(_label(rest), f"estimated {est:.2f} s or more, does not fit in the budget")
-                    tick(_label(rest))
+                    give_up(rest, f"estimated {est:.2f} s or more, does not fit in the budget")
                 break
             fn = k.setup(cache)
             share = max(0.0, min(0.5, group_left / (len(ks) - i)))
             t = time_call(fn, _sync(k.device), share, budget.deadline())
             if t is None:
-                budget.skip(_label(k), "the budget ran out while timing it")
-                tick(_label(k))
+                give_up(k, "the budget ran out while timing it")
                 continue
             entries.setdefault((k.device, k.op, k.dtype, k.shape), {})[k.x] = Point(
                 x=float(k.x), seconds=t.median_s + overhead[k.device], spread_s=t.spread_s, repeats=t.repeats,
@@ -282,6 +293,7 @@ def _run_kernels(kernels: list, rates: dict, overhead: dict, entries: dict, budg
         cache.clear()
         if ks[0].device == "gpu":
             torch.cuda.empty_cache()
+    return left_over
 
 
 def _cpu_task_overhead_s(budget: Budget) -> float:

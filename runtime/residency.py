@@ -1,12 +1,18 @@
 """Put every block's weights and every KV cache in the tier the plan chose, once, before running.
 
-- ``gpu`` blocks: each tensor copied straight from its source into GPU memory.
-- blocks streamed in some phase: all their tensors packed into one flat host buffer (pinned on a
-  real GPU), so a ``load`` task is one copy of ``weight_bytes`` into a staging slot; the GPU holds
-  a ring of ``depth`` preallocated slots, each as large as the largest streamed block, and a
-  streamed stage computes with views into its slot. CPU stages of such a block use views of the
-  flat host buffer.
-- ``cpu`` blocks: the source's tensors as they are (memory-mapped checkpoint pages).
+Each block's tensors are copied, one at a time and straight from the source (a memory-mapped
+checkpoint, or random values), into one flat buffer of the block's tier (exactly the block's
+weight bytes); the block computes with views into it, including one view over each group of
+projections the backend fuses (``fused()``: parts laid back to back). So the process holds one
+copy of the weights, in anonymous memory (decode on the CPU reads it faster than file-backed
+pages).
+
+- ``gpu`` blocks: the buffer is in GPU memory.
+- blocks streamed in some phase: the buffer is in host memory, pinned on a real GPU, so a
+  ``load`` task is one copy of the block into a staging slot; the GPU holds a ring of ``depth``
+  preallocated slots, each as large as the largest streamed block, and a streamed stage computes
+  with the same views laid over its slot. CPU stages of such a block use the host buffer.
+- ``cpu`` blocks: the buffer is in host memory.
 - KV caches: ``[B, T, ...]`` tensors per attention block in the tier of its ``kv`` (pinned host
   memory when a GPU copies the prompt's KV into it).
 
@@ -33,12 +39,12 @@ class BlockWeights:
     layer: int | None
     tier: str
     """``gpu`` (resident) or ``cpu`` (host memory; streamed or CPU-computed)."""
-    tensors: dict
-    """local name -> tensor in ``tier``."""
-    flat: torch.Tensor | None = None
-    """The host buffer holding every tensor of a streamed block, in ``layout`` order."""
-    layout: tuple = ()
+    flat: torch.Tensor
+    """The buffer holding every tensor of the block, in ``layout`` order."""
+    layout: tuple
     """((local name, offset in elements, shape), ...) inside ``flat`` and inside a slot."""
+    tensors: dict
+    """local name -> view into ``flat``."""
 
 
 def check_placement(plan: Plan) -> None:
@@ -61,6 +67,7 @@ class Residency:
                  kv_dtype: torch.dtype, batch: int, max_tokens: int, progress=None):
         check_placement(plan)
         self.devices = devices
+        self.fused = backend.fused() if hasattr(backend, "fused") else {}
         self.blocks: dict[str, BlockWeights] = {}
         entries = list(plan.placement)
         specs = {p["block"]: backend.block_tensors(p["block"], p["kind"], p["layer"]) for p in entries}
@@ -71,13 +78,9 @@ class Residency:
         for i, p in enumerate(entries):
             if progress:
                 progress("loading", i, len(entries))
-            if p["weights"] == "gpu":
-                bw = self._resident(p, specs[p["block"]], source, dtype)
-            elif p["block"] in streamed:
-                bw = self._packed(p, specs[p["block"]], source, dtype)
-            else:
-                bw = self._host(p, specs[p["block"]], source, dtype)
-            self.blocks[p["block"]] = bw
+            tier = "gpu" if p["weights"] == "gpu" else "cpu"
+            self.blocks[p["block"]] = self._place(p, specs[p["block"]], source, dtype, tier,
+                                                  pinned=p["block"] in streamed)
         if progress:
             progress("loading", len(entries), len(entries))
         slot_numel = max((self.blocks[b].flat.numel() for b in streamed), default=0)
@@ -95,31 +98,16 @@ class Residency:
                 for name, shape in backend.kv_shapes(batch, max_tokens).items()}
             self.kv_tier[p["block"]] = p["kv"]
 
-    def _resident(self, p, specs, source, dtype) -> BlockWeights:
-        tensors = {}
-        for t in specs:
-            out = self.devices.empty("gpu", t.shape, dtype, f"weight {t.checkpoint} of {p['block']}")
-            source.fill(t, out)
-            tensors[t.local] = out
-        return BlockWeights(p["block"], p["kind"], p["layer"], "gpu", tensors)
-
-    def _packed(self, p, specs, source, dtype) -> BlockWeights:
+    def _place(self, p, specs, source, dtype, tier: str, pinned: bool) -> BlockWeights:
         layout, offset = [], 0
         for t in specs:
             layout.append((t.local, offset, tuple(t.shape)))
             offset += _numel(t.shape)
-        flat = self.devices.empty("cpu", (offset,), dtype, f"streamed weights of {p['block']}", pinned=True)
-        tensors = _views(flat, layout)
+        flat = self.devices.empty(tier, (offset,), dtype, f"weights of {p['block']}", pinned=pinned)
+        tensors = _views(flat, layout, self.fused)
         for t in specs:
             source.fill(t, tensors[t.local])
-        return BlockWeights(p["block"], p["kind"], p["layer"], "cpu", tensors, flat, tuple(layout))
-
-    def _host(self, p, specs, source, dtype) -> BlockWeights:
-        tensors = {}
-        for t in specs:
-            tensors[t.local] = source.view(t, dtype)
-            self.devices.count("cpu", tensors[t.local], f"weight {t.checkpoint} of {p['block']}")
-        return BlockWeights(p["block"], p["kind"], p["layer"], "cpu", tensors)
+        return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, tuple(layout), tensors)
 
     # -- what a task touches ------------------------------------------------------------------
     def weights(self, block: str, device: str, slot: int | None) -> dict:
@@ -129,11 +117,11 @@ class Residency:
         bw = self.blocks[block]
         if device == bw.tier:
             return bw.tensors
-        if slot is None or bw.flat is None:
+        if slot is None or not self.slots:
             return {}
         key = (block, slot)
         if key not in self._views:
-            self._views[key] = _views(self.slots[slot], bw.layout)
+            self._views[key] = _views(self.slots[slot], bw.layout, self.fused)
         return self._views[key]
 
     def load(self, block: str, slot: int) -> None:
@@ -143,8 +131,20 @@ class Residency:
         self.slots[slot][:flat.numel()].copy_(flat, non_blocking=self.devices.cuda)
 
 
-def _views(buf: torch.Tensor, layout) -> dict:
-    return {name: buf[off:off + _numel(shape)].view(shape) for name, off, shape in layout}
+def _views(buf: torch.Tensor, layout, fused: dict) -> dict:
+    """local name -> view of ``buf``; plus, for each ``fused`` name whose parts lie back to back
+    with equal trailing dims, one view over their concatenation along the first dim."""
+    views = {name: buf[off:off + _numel(shape)].view(shape) for name, off, shape in layout}
+    where = {name: (off, shape) for name, off, shape in layout}
+    for name, parts in fused.items():
+        if not all(p in where for p in parts):
+            continue
+        spans = [where[p] for p in parts]
+        adjacent = all(off + _numel(shape) == spans[i + 1][0] for i, (off, shape) in enumerate(spans[:-1]))
+        if adjacent and len({shape[1:] for _, shape in spans}) == 1:
+            shape = (sum(s[0] for _, s in spans),) + spans[0][1][1:]
+            views[name] = buf[spans[0][0]:spans[0][0] + _numel(shape)].view(shape)
+    return views
 
 
 def _numel(shape) -> int:

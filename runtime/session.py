@@ -73,6 +73,8 @@ class RunResult:
     host_rss_bytes: int
     h2d_bytes_per_s: float | None = None
     """Achieved bandwidth of weight loads during decode (traced runs with streamed blocks)."""
+    step_s: tuple = ()
+    """Wall time of every decode step (TPOT is their mean)."""
     logits: list | None = field(default=None, repr=False)
     trace: dict | None = field(default=None, repr=False)
 
@@ -125,6 +127,8 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     for tier in ("cpu",) + (("gpu",) if mode != "cpu" else ()):
         backend.setup(devices.device(tier), max_tokens)
     residency = Residency(plan, backend, source, devices, dtype, kv_dtype, batch, max_tokens, progress)
+    if hasattr(source, "close"):  # unmap a checkpoint: every tensor was copied out of it
+        source.close()
     programs = {ph: build_program(ph, plan.schedule[ph], backend.reads, backend.writes) for ph in ("prefill", "decode")}
     gen = torch.Generator().manual_seed(opts.seed)
     tokens, all_logits, measured_trace = [], [], {"prefill": [], "decode": []}
@@ -173,5 +177,5 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
         measured=measured, predicted=predicted, relative_error=rel, peak_bytes=devices.peak_bytes(),
         planned_bytes={"gpu": plan.memory["gpu_bytes"], "cpu": plan.memory["cpu_bytes"]},
         host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        h2d_bytes_per_s=load_bytes_per_s(measured_trace["decode"]) if opts.trace else None,
+        h2d_bytes_per_s=load_bytes_per_s(measured_trace["decode"]) if opts.trace else None, step_s=tuple(step_s),
         logits=all_logits or None, trace=trace(plan, measured_trace) if opts.trace else None)

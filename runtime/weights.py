@@ -2,8 +2,8 @@
 
 A ``Checkpoint`` parses the headers of a directory's ``*.safetensors`` files (through
 ``model.safetensors.index.json`` when there is one) and memory-maps each file once: ``view(name)``
-is a zero-copy CPU tensor over the file's pages, so a tensor is read from disk only when a tier
-copies it (or the CPU computes with it) and the process never holds a second full copy.
+is a zero-copy CPU tensor over the file's pages, so a tensor is read from disk only when its tier
+copies it, and ``close`` unmaps the files afterwards: the process never holds a second full copy.
 ``RandomWeights`` makes the same tensors from a seed: every value depends on the seed and the
 tensor's checkpoint name only, never on where the plan puts it.
 
@@ -107,12 +107,20 @@ class Checkpoint:
             with open(f, "rb") as fh:
                 # A private mapping: pages stay shared with the page cache until written.
                 self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        t = torch.frombuffer(self._maps[f], dtype=dtype, count=nbytes // itemsize, offset=offset)
-        return t.view(shape)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        # Through a memoryview: while the tensor lives the mapping cannot be closed under it.
+        return torch.frombuffer(memoryview(self._maps[f])[offset:offset + nbytes], dtype=dtype).view(shape)
 
     def fill(self, expected: TensorSpec, out: torch.Tensor) -> None:
         out.copy_(self.view(expected, out.dtype))
+
+    def close(self) -> None:
+        """Unmap the files, once every tensor needed was copied out of them (BufferError while
+        a view is still alive)."""
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
 
     def tokenizer_dir(self) -> Path | None:
         return self.directory if (self.directory / "tokenizer.json").is_file() or \
@@ -186,6 +194,9 @@ class RandomWeights:
         else:
             with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
                 list(pool.map(chunk, range(count)))
+
+    def close(self) -> None:
+        return None
 
     def tokenizer_dir(self) -> None:
         return None

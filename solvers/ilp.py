@@ -36,7 +36,7 @@ class IlpOptions:
     at the best objective found so far)."""
     time_limit_s: float = 30.0
     """Wall-clock safety net per depth. A plan stopped by it may differ between machines."""
-    max_nodes: int = 50
+    max_nodes: int = 30
     """Branch-and-bound nodes per depth: the deterministic limit (same plan on every machine)."""
     mip_rel_gap: float = 1e-4
     threads: int = 1
@@ -87,10 +87,57 @@ class _Model:
             self._timeline(p)
         # (2) objective ----------------------------------------------------------------------
         wl = problem.workload
-        w_pre, w_dec = {"latency": (1.0, wl.gen_len), "throughput": (1.0, wl.gen_len),
-                        "ttft": (1.0, 1e-4), "tpot": (1e-4, 1.0)}[wl.objective]
-        self.weights = (w_pre, w_dec)
+        self.weights = self._objective_weights()
+        w_pre, w_dec = self.weights
         self.prob += w_pre * self.T["prefill"] + w_dec * self.T["decode"], "objective_ms"
+
+    def _objective_weights(self) -> tuple:
+        """(w_prefill, w_decode). ``latency``: 1 and gen_len. ``ttft``/``tpot``: 1 on the stated
+        phase and a tie-break eps on the other, small enough that no amount of the other phase can
+        buy back more than 1e-7 of the stated one: eps = 1e-7 * lb(stated) / ub(other), where lb
+        sums each stage's faster device time and ub every task's slowest time."""
+        wl = self.problem.workload
+        if wl.objective in ("latency", "throughput"):
+            return 1.0, float(wl.gen_len)
+        lb = {p: sum(min(c.gpu_s, c.cpu_s) for c in self.problem.stages[p]) for p in PHASES}
+        ub = {p: self._phase_upper_bound_s(p) for p in PHASES}
+        if wl.objective == "ttft":
+            return 1.0, 1e-7 * lb["prefill"] / ub["decode"]
+        return 1e-7 * lb["decode"] / ub["prefill"], 1.0
+
+    def _phase_upper_bound_s(self, p) -> float:
+        """No phase can take longer than every task of it back to back at its slowest."""
+        pr = self.problem
+        return (sum(max(c.gpu_s, c.cpu_s) + c.up_s + c.down_s for c in pr.stages[p])
+                + sum(pr.load_s.get(b.name, 0.0) for b in pr.blocks)
+                + (sum(pr.kv_down_s.values()) if p == "prefill" else 0.0))
+
+    def _stated(self, weighted_ms: float) -> float:
+        """Objective in seconds as the workload states it (without the other phase's tie-break)."""
+        obj = self.problem.workload.objective
+        if obj == "ttft":
+            return self.T["prefill"].value() / MS
+        if obj == "tpot":
+            return self.T["decode"].value() / MS
+        return weighted_ms / MS
+
+    def _stated_bound(self, weighted_bound_ms: float) -> float:
+        """A lower bound on the stated objective from one on the weighted one."""
+        obj = self.problem.workload.objective
+        if obj == "ttft":
+            return (weighted_bound_ms - self.weights[1] * MS * self._phase_upper_bound_s("decode")) / MS
+        if obj == "tpot":
+            return (weighted_bound_ms - self.weights[0] * MS * self._phase_upper_bound_s("prefill")) / MS
+        return weighted_bound_ms / MS
+
+    def _weighted_cutoff_ms(self, stated_s: float) -> float:
+        """A weighted objective no solution with stated objective < ``stated_s`` can exceed."""
+        obj = self.problem.workload.objective
+        if obj == "ttft":
+            return stated_s * MS + self.weights[1] * MS * self._phase_upper_bound_s("decode")
+        if obj == "tpot":
+            return stated_s * MS + self.weights[0] * MS * self._phase_upper_bound_s("prefill")
+        return stated_s * MS
 
     def _modes(self, p):
         """(block, mode) -> indicator expression of block b executing in mode G, S or C in phase p."""
@@ -223,9 +270,10 @@ class _Model:
     def solve(self, opts: IlpOptions, cutoff_s: float | None = None) -> IlpResult:
         if opts.dump_lp:
             self.prob.writeLP(opts.dump_lp)
-        extra = {"objective_bound": cutoff_s * MS} if cutoff_s is not None else {}
+        extra = {"objective_bound": self._weighted_cutoff_ms(cutoff_s)} if cutoff_s is not None else {}
         solver = pulp.HiGHS(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.mip_rel_gap,
-                            threads=opts.threads, random_seed=0, mip_max_nodes=opts.max_nodes, **extra)
+                            threads=opts.threads, random_seed=0, mip_max_nodes=opts.max_nodes,
+                            mip_heuristic_effort=0.01, **extra)
         t0 = time.perf_counter()
         with _stdout_silenced():
             _run_highs(self.prob, solver)
@@ -239,8 +287,10 @@ class _Model:
         if info.primal_solution_status != 2:  # no feasible solution
             bound = float("inf") if status == "infeasible" else info.mip_dual_bound / MS
             return IlpResult(None, status, float("inf"), float("inf"), bound, elapsed, *size)
-        obj = (self.weights[0] * self.T["prefill"].value() + self.weights[1] * self.T["decode"].value()) / MS
-        bound = min(obj, info.mip_dual_bound / MS) if status != "optimal" else obj * (1 - max(0.0, info.mip_gap))
+        weighted = self.weights[0] * self.T["prefill"].value() + self.weights[1] * self.T["decode"].value()
+        weighted_bound = weighted * (1 - max(0.0, info.mip_gap)) if status == "optimal" else \
+            min(weighted, info.mip_dual_bound)
+        obj, bound = self._stated(weighted), min(self._stated(weighted), self._stated_bound(weighted_bound))
         return IlpResult(self.decision(), status, _gap(obj, bound), obj, bound, elapsed, *size)
 
     # (5) read the decision ----------------------------------------------------------------------
@@ -308,7 +358,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     opts = opts or IlpOptions()
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
-        return IlpResult(all_cpu(problem), "optimal", 0.0, float("nan"), float("nan"), 0.0, 0, 0)
+        return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
     results = []
     for depth in opts.depths:
         dump = f"{opts.dump_lp.removesuffix('.lp')}.depth{depth}.lp" if opts.dump_lp and len(opts.depths) > 1 \

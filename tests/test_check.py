@@ -83,7 +83,7 @@ def test_a_placement_change_can_be_allowed(golden):
 def test_a_time_limited_solve_may_change_placement_without_failing(golden):
     def change(doc):
         set_weights("mlp_7", "cpu")(doc)
-        doc["solver"]["status"] = "time_limit_reached"
+        doc["solver"]["status"] = "time_limit"
     edit(golden, change)
     res = check_plan(golden)
     assert res.ok and "time limit" in res.notes[0]

@@ -114,9 +114,13 @@ def test_dump_lp_writes_the_milp(tmp_path):
 def test_help_documents_every_option_with_units_and_defaults():
     text = hetplan("compile", "--help").stdout
     for option in ("--hw", "--strategy", "--objective", "--batch", "--prompt-len", "--gen-len", "--weight-dtype",
-                   "--kv-dtype", "--gpu-mem", "--cpu-mem", "--time-limit", "--dump-lp", "--compare", "--json"):
+                   "--kv-dtype", "--gpu-mem", "--cpu-mem", "--time-limit", "--max-nodes", "--dump-lp", "--compare",
+                   "--json"):
         assert option in text
-    assert "default: 60.0" in text and "20GiB" in text and "Examples:" in text
+    from hetplan.compiler import CompileRequest
+    req = CompileRequest(model="m", hw="n")
+    assert f"default: {req.time_limit_s}" in text and f"default: {req.max_nodes}" in text
+    assert "default: 512" in text and "20GiB" in text and "Examples:" in text
 
 
 # -- user mistakes ---------------------------------------------------------------------------

@@ -4,7 +4,6 @@ seeded random weights that transformers reproduces with the same values."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 
 import pytest
@@ -119,17 +118,20 @@ def test_truncated_checkpoint_is_refused(setup, tmp_path):
         Checkpoint(tmp_path)
 
 
-def test_cpu_tier_weights_are_the_files_pages_not_a_copy(setup):
-    root, _ = setup
-    plan = plan_for(root / "single", root / "node.yaml", strategy="ngl:0")
-    backend = backend_for(plan.model)
+def test_loading_holds_the_weights_once_and_unmaps_the_checkpoint(setup):
+    """Each block's tensors land in one buffer of exactly its weight bytes, and no view of the
+    memory-mapped files outlives loading (unmapping raises BufferError while one exists)."""
+    root, model = setup
+    plan = plan_for(root / "single", root / "node.yaml", strategy="ngl:1")
     source = Checkpoint(root / "single")
-    residency = Residency(plan, backend, source, Devices("emulated", plan.memory["gpu_budget_bytes"]),
+    residency = Residency(plan, backend_for(plan.model), source, Devices("emulated", plan.memory["gpu_budget_bytes"]),
                           torch.float32, torch.float32, batch=1, max_tokens=8)
-    (mapping,) = source._maps.values()
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    weight = residency.blocks["mlp_0"].tensors["gate"]
-    assert base <= weight.data_ptr() < base + len(mapping)
+    assert source._maps  # the checkpoint was read through its mapping
+    source.close()
+    assert not source._maps
+    for p in plan.placement:
+        assert residency.blocks[p["block"]].flat.numel() * 4 == p["weight_bytes"]
+    assert sum(b.flat.numel() for b in residency.blocks.values()) == sum(t.numel() for t in model.parameters())
 
 
 def test_random_weights_are_what_transformers_computes_with_the_same_values(setup):
@@ -152,3 +154,20 @@ def test_random_weights_depend_on_the_seed_not_on_the_placement(setup):
     c = run(plan_for(root / "single", root / "node.yaml", strategy="all-gpu"), "random", seed=6)
     assert (a.logits[0] - b.logits[0]).abs().max().item() <= 1e-5
     assert (a.logits[0] - c.logits[0]).abs().max().item() > 1e-3
+
+
+def test_fused_projection_views_are_the_projections_back_to_back(setup):
+    root, _ = setup
+    plan = plan_for(root / "single", root / "node.yaml", strategy="stream")
+    residency = Residency(plan, backend_for(plan.model), Checkpoint(root / "single"),
+                          Devices("emulated", plan.memory["gpu_budget_bytes"]), torch.float32, torch.float32,
+                          batch=1, max_tokens=8)
+    slot = next(t.slot for t in plan.schedule["decode"].tasks if t.kind == "load" and t.block == "attn_0")
+    residency.load("attn_0", slot)
+    for where in (residency.blocks["attn_0"].tensors, residency.weights("attn_0", "gpu", slot)):
+        assert where["qkv"].shape == (64 + 32 + 32, 64)
+        assert where["qkv"].data_ptr() == where["q"].data_ptr()
+        assert torch.equal(where["qkv"], torch.cat([where["q"], where["k"], where["v"]]))
+    mlp = residency.blocks["mlp_0"].tensors
+    assert mlp["gate_up"].data_ptr() == mlp["gate"].data_ptr()
+    assert torch.equal(mlp["gate_up"], torch.cat([mlp["gate"], mlp["up"]]))

@@ -138,3 +138,13 @@ def test_a_model_file_moved_after_compiling_is_found_again_with_its_hash(tmp_pat
     other, _, _ = export("gpt2", True)
     with pytest.raises(HetplanError, match="not the ONNX file the plan was compiled from"):
         with_onnx_file(plan, other)
+
+
+def test_a_shape_that_depends_on_token_values_cannot_be_planned():
+    from hetplan.onnx_ir import from_proto
+    from hetplan.onnx_shapes import infer
+    nodes = [helper.make_node("Gather", ["embed.weight", "input_ids"], ["h"]),
+             helper.make_node("Reshape", ["h", "input_ids"], ["logits"], name="reshape_by_ids")]
+    graph = from_proto(_tiny_graph(nodes, inits=[_embedding()]), 17)
+    with pytest.raises(HetplanError, match="'reshape_by_ids'.*depends on the input data"):
+        infer(graph, {"input_ids": (1, 2)})

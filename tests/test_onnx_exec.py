@@ -35,13 +35,16 @@ TOL = 1e-4
 
 
 def _mixed_plan(path, depth=2):
-    """Blocks cycling through CPU, GPU-resident and streamed placement (embedding on the CPU)."""
+    """Blocks cycling through CPU, GPU-resident and streamed placement (embedding on the CPU);
+    streamed MLP and head blocks compute on the CPU in decode (attention stays beside its cache)."""
     spec = load_model(str(path))
     problem = build_problem(spec, load_node("rtx4090-64g"), Workload(batch=2, prompt_len=5, gen_len=GEN))
-    cycle = ("cpu", "gpu", "stream")
+    cycle = ("gpu", "stream", "cpu")  # attn_0 streamed, mlp_0 cpu, attn_1 gpu, mlp_1 streamed, head cpu
     weights = {b.name: "cpu" if b.kind == "embed" else cycle[i % 3] for i, b in enumerate(problem.blocks)}
     kv = {b.name: "cpu" if weights[b.name] == "cpu" else "gpu" for b in problem.blocks if b.kind == "attn"}
-    dec = Decision(weights, {ph: dict(weights) for ph in ("prefill", "decode")}, kv, depth=depth)
+    decode = {b.name: "cpu" if weights[b.name] == "stream" and b.kind != "attn" else weights[b.name]
+              for b in problem.blocks}
+    dec = Decision(weights, {"prefill": dict(weights), "decode": decode}, kv, depth=depth)
     return make_plan(problem, dec, {"strategy": "manual", "status": "heuristic", "mip_gap": None, "options": {}})
 
 

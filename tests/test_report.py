@@ -102,10 +102,10 @@ def test_tokens_per_dollar_use_the_node_price():
 
 
 def test_a_time_limited_solve_is_flagged_as_not_proven_optimal(split_plan):
-    plan = make_plan(gpt2_problem(), split_plan.decision(), {"strategy": "ilp", "status": "time_limit_reached",
+    plan = make_plan(gpt2_problem(), split_plan.decision(), {"strategy": "ilp", "status": "time_limit",
                                                               "mip_gap": 0.05})
     text = render_show(plan)
-    assert "MIP gap 5%" in text and "not proven optimal" in text
+    assert "MIP gap 5%" in text and "not proven optimal: raise --time-limit" in text
 
 
 def test_format_table_pads_columns_and_right_aligns_numbers():

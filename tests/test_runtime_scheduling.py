@@ -77,10 +77,15 @@ def measured_steps(plan, result):
     return out
 
 
+MODES = ["emulated", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("strategy", ["stream", "greedy", "cpu-kv"])
-def test_streamed_block_never_starts_before_its_weights_arrived(env, strategy):
+def test_streamed_block_never_starts_before_its_weights_arrived(env, strategy, mode):
     plan = cpu_kv_plan(env) if strategy == "cpu-kv" else compiled(env, strategy, "200KiB")
-    result = run_plan(plan, RunOptions(weights="random", gen_len=GEN_LEN, trace=True, emulate=True))
+    result = run_plan(plan, RunOptions(weights="random", gen_len=GEN_LEN, trace=True, emulate=mode == "emulated"))
     checked = 0
     for phase, times in measured_steps(plan, result):
         for t in plan.schedule[phase].tasks:
@@ -92,11 +97,12 @@ def test_streamed_block_never_starts_before_its_weights_arrived(env, strategy):
     assert checked >= GEN_LEN
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("strategy", ["stream", "cpu-kv"])
-def test_staging_slot_is_not_overwritten_while_a_block_reads_it(env, strategy):
+def test_staging_slot_is_not_overwritten_while_a_block_reads_it(env, strategy, mode):
     plan = cpu_kv_plan(env) if strategy == "cpu-kv" else compiled(env, strategy, "200KiB")
     depth = plan.staging["depth"]
-    result = run_plan(plan, RunOptions(weights="random", gen_len=GEN_LEN, trace=True, emulate=True))
+    result = run_plan(plan, RunOptions(weights="random", gen_len=GEN_LEN, trace=True, emulate=mode == "emulated"))
     checked = 0
     for phase, times in measured_steps(plan, result):
         tasks = plan.schedule[phase].tasks
@@ -174,3 +180,13 @@ def test_plan_needing_more_memory_than_is_free_is_refused_with_numbers():
 def test_gpu_plan_without_a_gpu_needs_emulation(env):
     with pytest.raises(HetplanError, match="no CUDA device.*--emulate"):
         run_plan(compiled(env, "all-gpu"), RunOptions(weights="random", gen_len=2, emulate=False))
+
+
+def test_schedule_whose_order_contradicts_its_edges_is_refused(env):
+    plan = compiled(env, "stream", "200KiB")
+    sched = plan.schedule["decode"]
+    first, last = sched.tasks[0].id, next(t.id for t in reversed(sched.tasks) if t.resource == sched.tasks[0].resource)
+    broken = PhaseSchedule(sched.tasks, sched.edges + ((last, first),))
+    backend = DenseBackend(plan.model)
+    with pytest.raises(HetplanError, match="form a cycle"):
+        build_program("decode", broken, backend.reads, backend.writes)
