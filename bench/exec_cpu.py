@@ -25,8 +25,8 @@ import torch
 import transformers
 
 from hetplan.compiler import CompileRequest, compile_plan
-from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.runtime.devices import host_available_bytes
+from hetplan.runtime.session import RunOptions, run_plan
 
 CONFIG = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)

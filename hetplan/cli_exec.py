@@ -50,12 +50,14 @@ class _Progress:
 @click.option("--trace", "trace_path", default=None, help="Write measured and predicted task times (Chrome/Perfetto JSON).")
 @click.option("--emulate/--no-emulate", default=None,
               help="Run the plan's GPU on the CPU (default: when torch sees no CUDA device).")
+@click.option("--record-routing", "routing_path", default=None,
+              help="Write how often each expert was chosen (MoE models; hetplan.routing format).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's metrics as one JSON object.")
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
-            emulate, as_json):
+            emulate, routing_path, as_json):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
     from hetplan.runtime.prompt import parse_prompt_ids
-    from hetplan.runtime.session import RunOptions, run_plan
+    from hetplan.runtime.session import RunOptions, choose_mode, run_plan
 
     if greedy and temperature is not None:
         raise HetplanError("--greedy and --temperature: give one of them")
@@ -76,21 +78,22 @@ def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, g
     opts = RunOptions(weights=weights, seed=seed, prompt=prompt,
                       prompt_ids=parse_prompt_ids(prompt_ids) if prompt_ids is not None else None,
                       gen_len=gen_len, temperature=temperature or 0.0, emulate=emulate,
-                      trace=trace_path is not None)
-    if emulate is None and plan.hardware.gpus:
-        import torch
-        if not torch.cuda.is_available():
-            click.echo("note: no CUDA device: the plan's GPU is emulated on the CPU (--emulate)", err=True)
+                      trace=trace_path is not None, record_routing=routing_path is not None)
+    if emulate is None and choose_mode(plan, None) == "emulated":
+        click.echo("note: no CUDA device: the plan's GPU is emulated on the CPU (--emulate)", err=True)
     result = run_plan(plan, opts, progress=_Progress())
     if trace_path:
         write_atomic(trace_path, json.dumps(result.trace) + "\n")
+    if routing_path:
+        from hetplan.routing import write_routing
+        write_routing(routing_path, result.routing)
     if as_json:
         click.echo(json.dumps(result.to_json_dict(), sort_keys=True))
         return
-    _report(result, trace_path)
+    _report(result, trace_path, routing_path)
 
 
-def _report(r, trace_path) -> None:
+def _report(r, trace_path, routing_path) -> None:
     mode = {"cuda": "CUDA GPU", "emulated": "emulated GPU (CPU)", "cpu": "CPU only"}[r.mode]
     click.echo(f"ran on {mode}")
     for i, seq in enumerate(r.tokens):
@@ -110,5 +113,6 @@ def _report(r, trace_path) -> None:
                    f"{format_bytes(r.planned_bytes[tier]):>13}")
     if r.h2d_bytes_per_s:
         click.echo(f"weight loads achieved {format_bytes(r.h2d_bytes_per_s)}/s")
-    if trace_path:
-        click.echo(f"wrote {trace_path}")
+    for path in (trace_path, routing_path):
+        if path:
+            click.echo(f"wrote {path}")

@@ -40,7 +40,7 @@ class CompileRequest:
     kv_dtype: str | None = None
     gpu_mem: str | None = None
     cpu_mem: str | None = None
-    time_limit_s: float = 30.0
+    time_limit_s: float = 120.0
     max_nodes: int = 30
     dump_lp: str | None = None
     notes: list = field(default_factory=list, compare=False)

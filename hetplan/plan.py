@@ -21,6 +21,7 @@ A plan is data: frozen dataclasses with ``to_json``/``from_json`` and a schema v
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -131,16 +132,23 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(rounded(self.to_dict()), sort_keys=True, indent=1) + "\n"
+        d = rounded(self.to_dict())
+        d["digest"] = content_digest(d)
+        return json.dumps(d, sort_keys=True, indent=1) + "\n"
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "plan.json") -> "Plan":
+    def from_dict(cls, d: dict, source: str = "plan.json", verify: bool = True) -> "Plan":
+        """Parse a plan. ``verify`` refuses a plan whose content no longer matches the digest it
+        was written with (edited by hand); ``hetplan check`` reads goldens without it."""
         if not isinstance(d, dict) or "schema_version" not in d:
             raise HetplanError(f"{source}: not a hetplan plan (no schema_version)")
         v = d["schema_version"]
         if not isinstance(v, int) or v > SCHEMA_VERSION:
             raise HetplanError(f"{source}: schema_version {v!r} is newer than this hetplan understands "
                                f"({SCHEMA_VERSION}); upgrade hetplan or recompile the plan")
+        if verify and "digest" in d and d["digest"] != content_digest(d):
+            raise HetplanError(f"{source}: the plan was edited after it was compiled (content fingerprint "
+                               f"mismatch); recompile it with `hetplan compile` (or `hetplan check --update`)")
         try:
             sched = {ph: PhaseSchedule(tuple(Task(**t) for t in s["tasks"]),
                                        tuple(tuple(e) for e in s["edges"]))
@@ -156,20 +164,30 @@ class Plan:
                                f"recompile it with `hetplan compile`") from None
 
     @classmethod
-    def from_json(cls, text: str, source: str = "plan.json") -> "Plan":
+    def from_json(cls, text: str, source: str = "plan.json", verify: bool = True) -> "Plan":
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise HetplanError(f"{source}:{e.lineno}:{e.colno}: malformed JSON ({e.msg}); the plan "
                                f"may be truncated: recompile it") from None
-        return cls.from_dict(d, source)
+        return cls.from_dict(d, source, verify)
 
 
-def load_plan(path: str | Path) -> Plan:
+def content_digest(d: dict) -> str:
+    """sha256 (16 hex digits) of a plan's canonical JSON without its ``digest`` key."""
+    body = {k: v for k, v in d.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def load_plan(path: str | Path, verify: bool = True) -> Plan:
     p = Path(path)
     if not p.is_file():
         raise HetplanError(f"{p}: no such plan file")
-    return Plan.from_json(p.read_text(), source=str(p))
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise HetplanError(f"{p}: cannot read the plan ({e})") from None
+    return Plan.from_json(text, source=str(p), verify=verify)
 
 
 def write_atomic(path: str | Path, text: str) -> None:

@@ -38,9 +38,9 @@ When the cache lives on the other tier (prefill only; the plan then holds a ``kv
 ``call.kv`` is None and it attends over the prompt's own k/v.
 
 Backends are found by ``backend_for(spec)``: a plan compiled from an ONNX graph runs that graph
-(``onnx_backend``); otherwise ``BACKENDS`` maps the family to ``module:Class``, imported on use.
-A family with stages this runtime cannot execute yet (``moe``, multi-head latent attention) has
-no row and is refused with the capability it lacks; adding one is adding a row.
+(``onnx_backend``); otherwise ``BACKENDS`` maps the family to ``module:Class``, imported on use
+(the mixture-of-experts families, with ``moe`` stages and DeepSeek's latent attention, to
+``moe_backend``). A family without a row is refused; adding one is adding a row.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ BACKENDS = {
     "qwen3": "hetplan.runtime.dense:DenseBackend",
     "opt": "hetplan.runtime.dense:DenseBackend",
     "gpt2": "hetplan.runtime.dense:DenseBackend",
+    "mixtral": "hetplan.runtime.moe_backend:MoeBackend",
+    "qwen3_moe": "hetplan.runtime.moe_backend:MoeBackend",
+    "deepseek_v3": "hetplan.runtime.moe_backend:MoeBackend",
 }
 """Model family -> the backend class that executes it."""
 
@@ -129,11 +132,6 @@ def backend_for(spec: ModelSpec) -> Backend:
     """The backend for ``spec``'s family, or a HetplanError naming the capability it lacks."""
     if spec.extra.get("source") == "onnx":  # a plan compiled from an ONNX graph runs that graph
         return getattr(importlib.import_module("hetplan.runtime.onnx_backend"), "OnnxBackend")(spec)
-    if spec.is_moe or spec.is_mla:
-        what = "mixture-of-experts layers (moe stages)" if spec.is_moe else "multi-head latent attention"
-        raise HetplanError(f"model {spec.name!r} ({spec.arch}) has {what}: the torch runtime does not "
-                           f"execute them yet (MoE/MLA execution is its own capability); its plans can "
-                           f"be compiled, shown and checked, not run")
     target = BACKENDS.get(spec.arch)
     if target is None:
         raise HetplanError(f"model family {spec.arch!r}: no runtime backend; executable families: "

@@ -8,7 +8,8 @@ connect them (``hetplan.schedule``). This module adds what the executor needs to
 - an ``act_up``/``act_down`` copy before a stage moves exactly the values that stage reads and
   finds only on the other device (``x`` before a block; ``q, k, v`` before an attention core on the
   other side; ``o`` back after it);
-- a ``kv_down`` reads the ``k``/``v`` its block's ``attn_core`` read;
+- a ``kv_down`` reads the values its block's ``attn_core`` read that the KV cache stores
+  (``kv_names``: ``k``/``v``, or MLA's ``latent``/``k_rope``);
 - every value counts its readers, so it can be freed after the last one.
 
 A schedule in which a stage would read a value that no task put on its device is refused. Pure
@@ -55,8 +56,9 @@ class Program:
     """value name -> (producer index, name) of the phase's results (``logits``)."""
 
 
-def build_program(phase: str, schedule: PhaseSchedule, reads, writes) -> Program:
-    """``reads(kind)``/``writes(kind)``: the backend's value names per stage kind."""
+def build_program(phase: str, schedule: PhaseSchedule, reads, writes, kv_names=("k", "v")) -> Program:
+    """``reads(kind)``/``writes(kind)``: the backend's value names per stage kind; ``kv_names``:
+    the values a KV cache stores (the backend's ``kv_shapes`` keys)."""
     tasks = schedule.tasks
     index = {t.id: i for i, t in enumerate(tasks)}
     stages = [i for i, t in enumerate(tasks) if t.kind not in TRANSFERS]
@@ -86,7 +88,7 @@ def build_program(phase: str, schedule: PhaseSchedule, reads, writes) -> Program
         op_reads[i] = tuple((where[n][1], n) for n in reads(t.kind))
         op_writes[i] = tuple(writes(t.kind))
         if t.kind == "attn_core":
-            core_reads[t.block] = tuple(r for r in op_reads[i] if r[1] in ("k", "v"))
+            core_reads[t.block] = tuple(r for r in op_reads[i] if r[1] in kv_names)
         for n in writes(t.kind):
             where[n] = (t.resource, i)
     if copy_before:

@@ -20,6 +20,7 @@ import torch
 
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
+from hetplan.routing import RoutingStats
 from hetplan.runtime.backend import Step, backend_for
 from hetplan.runtime.dataflow import TRANSFERS, build_program
 from hetplan.runtime.devices import Devices, check_free_memory, host_available_bytes
@@ -53,6 +54,8 @@ class RunOptions:
     """Prefill returns logits at every prompt position (kept in ``RunResult.logits``)."""
     keep_logits: bool = False
     """Keep every step's logits (on the CPU) in ``RunResult.logits``."""
+    record_routing: bool = False
+    """Count the experts every MoE layer chooses (``RunResult.routing``); MoE models only."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class RunResult:
     """Wall time of every decode step (TPOT is their mean)."""
     logits: list | None = field(default=None, repr=False)
     trace: dict | None = field(default=None, repr=False)
+    routing: RoutingStats | None = field(default=None, repr=False)
+    """Routing frequencies of every token the run put through the model (``record_routing``)."""
 
     def to_json_dict(self) -> dict:
         return {"tokens": self.tokens, "text": self.text, "mode": self.mode, "measured": self.measured,
@@ -108,74 +113,100 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     if kinds - backend.kinds:
         raise HetplanError(f"plan for {spec.name!r}: stage kinds {sorted(kinds - backend.kinds)} have no "
                            f"implementation in the runtime's {spec.arch} backend")
+    if opts.record_routing:
+        if not spec.is_moe:
+            raise HetplanError(f"--record-routing: model {spec.name!r} ({spec.arch}) has no experts; "
+                               f"routing statistics exist only for mixture-of-experts models")
+        from hetplan.runtime.moe import RoutingRecorder
+        backend.recorder = RoutingRecorder(spec)
     mode = choose_mode(plan, opts.emulate)
     free_gpu = torch.cuda.mem_get_info()[0] if mode == "cuda" else None
     check_free_memory(plan.memory, mode, free_gpu, host_available_bytes())
     # A backend that brings its own weights (an ONNX graph's initializers) reads no checkpoint.
     source = backend.own_weights() if hasattr(backend, "own_weights") else weight_source(opts.weights, opts.seed)
     ids, tokenizer = resolve_prompt(opts, source, spec, wl)
-    batch, prompt_len = ids.shape
     gen_len = opts.gen_len or wl.gen_len
-    needed = prompt_len + gen_len - 1
+    needed = ids.shape[1] + gen_len - 1
     if gen_len < 1 or needed > wl.context_len:
-        raise HetplanError(f"--gen-len {gen_len} with a {prompt_len}-token prompt needs {needed} cached "
+        raise HetplanError(f"--gen-len {gen_len} with a {ids.shape[1]}-token prompt needs {needed} cached "
                            f"tokens, but the plan sized its KV cache for {wl.context_len} (prompt_len "
                            f"{wl.prompt_len} + gen_len {wl.gen_len}); recompile with a larger --gen-len")
-    max_tokens = wl.context_len  # caches as large as the plan budgeted, whatever this run uses
 
     devices = Devices(mode, plan.memory["gpu_budget_bytes"])
     for tier in ("cpu",) + (("gpu",) if mode != "cpu" else ()):
-        backend.setup(devices.device(tier), max_tokens)
-    residency = Residency(plan, backend, source, devices, dtype, kv_dtype, batch, max_tokens, progress)
+        backend.setup(devices.device(tier), wl.context_len)
+    # Caches as large as the plan budgeted, whatever this run uses of them.
+    residency = Residency(plan, backend, source, devices, dtype, kv_dtype, ids.shape[0], wl.context_len, progress)
     if hasattr(source, "close"):  # unmap a checkpoint: every tensor was copied out of it
         source.close()
-    programs = {ph: build_program(ph, plan.schedule[ph], backend.reads, backend.writes) for ph in ("prefill", "decode")}
-    gen = torch.Generator().manual_seed(opts.seed)
-    tokens, all_logits, measured_trace = [], [], {"prefill": [], "decode": []}
-    step_s = []
+    kv_names = tuple(backend.kv_shapes(1, 1))
+    programs = {ph: build_program(ph, plan.schedule[ph], backend.reads, backend.writes, kv_names)
+                for ph in ("prefill", "decode")}
     with torch.inference_mode(), Executor(programs, backend, residency, devices, opts.trace) as ex:
-        def forward(phase, start, new_ids):
-            dev = devices.device(programs[phase].inputs["ids"])
-            step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill")
-            out, timings = ex.run(phase, step, {"ids": new_ids.to(dev)})
-            logits = out["logits"].float().cpu()
-            return logits, timings
+        run = _generate(ex, programs, devices, ids, gen_len, opts, progress)
 
-        if progress:
-            progress("prefill", 0, 1)
-        t0 = time.perf_counter()
-        logits, timings = forward("prefill", 0, ids)
-        tok = sample(logits[:, -1] if logits.dim() == 3 else logits, opts.temperature, gen)
-        ttft_s = time.perf_counter() - t0
-        measured_trace["prefill"] = measured_tasks(programs["prefill"], timings, 0.0)
-        tokens.append(tok)
-        if opts.keep_logits or opts.all_logits:
-            all_logits.append(logits)
-        decode_t0 = time.perf_counter()
-        for i in range(gen_len - 1):
-            if progress:
-                progress("decode", i + 1, gen_len)
-            s0 = time.perf_counter()
-            logits, timings = forward("decode", prompt_len + i, tok[:, None])
-            tok = sample(logits, opts.temperature, gen)
-            step_s.append(time.perf_counter() - s0)
-            measured_trace["decode"] += measured_tasks(programs["decode"], timings, s0 - decode_t0)
-            tokens.append(tok)
-            if opts.keep_logits:
-                all_logits.append(logits)
-        if progress:
-            progress("decode", gen_len, gen_len)
-
-    generated = torch.stack(tokens, dim=1).tolist()                      # [B, gen_len]
-    tpot_s = sum(step_s) / len(step_s) if step_s else None
-    measured = {"ttft_s": ttft_s, "tpot_s": tpot_s, "decode_tokens_per_s": batch / tpot_s if tpot_s else None}
+    batch = ids.shape[0]
+    tpot_s = sum(run.step_s) / len(run.step_s) if run.step_s else None
+    measured = {"ttft_s": run.ttft_s, "tpot_s": tpot_s, "decode_tokens_per_s": batch / tpot_s if tpot_s else None}
     predicted = {k: plan.predicted[k] for k in METRICS}
     rel = {k: (measured[k] - predicted[k]) / predicted[k] if measured[k] is not None and predicted[k] else None
            for k in METRICS}
     return RunResult(
-        tokens=generated, text=[tokenizer.decode(t) for t in generated] if tokenizer else None, mode=mode,
+        tokens=run.tokens, text=[tokenizer.decode(t) for t in run.tokens] if tokenizer else None, mode=mode,
         measured=measured, predicted=predicted, relative_error=rel, peak_bytes=devices.peak_bytes(),
         planned_bytes={"gpu": plan.memory["gpu_bytes"], "cpu": plan.memory["cpu_bytes"]},
         host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        h2d_bytes_per_s=load_bytes_per_s(measured_trace["decode"]) if opts.trace else None, step_s=tuple(step_s),
-        logits=all_logits or None, trace=trace(plan, measured_trace) if opts.trace else None)
+        h2d_bytes_per_s=load_bytes_per_s(run.tasks["decode"]) if opts.trace else None, step_s=tuple(run.step_s),
+        logits=run.logits or None, trace=trace(plan, run.tasks) if opts.trace else None,
+        routing=backend.recorder.stats() if opts.record_routing else None)
+
+
+@dataclass(frozen=True)
+class _Generation:
+    tokens: list
+    ttft_s: float
+    step_s: list
+    logits: list
+    tasks: dict
+    """phase -> measured tasks (traced runs)."""
+
+
+def _generate(ex: Executor, programs: dict, devices: Devices, ids: torch.Tensor, gen_len: int, opts: RunOptions,
+              progress) -> _Generation:
+    """Prefill once, then one decode step per further token, sampling after each."""
+    batch, prompt_len = ids.shape
+    gen = torch.Generator().manual_seed(opts.seed)
+    step_s, kept, tasks = [], [], {"prefill": [], "decode": []}
+
+    def forward(phase, start, new_ids):
+        dev = devices.device(programs[phase].inputs["ids"])
+        step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill")
+        values, timings = ex.run(phase, step, {"ids": new_ids.to(dev)})
+        return values["logits"].float().cpu(), timings
+
+    if progress:
+        progress("prefill", 0, 1)
+    t0 = time.perf_counter()
+    logits, timings = forward("prefill", 0, ids)
+    tok = sample(logits[:, -1] if logits.dim() == 3 else logits, opts.temperature, gen)
+    ttft_s = time.perf_counter() - t0
+    tasks["prefill"] = measured_tasks(programs["prefill"], timings, 0.0)
+    tokens = [tok]
+    if opts.keep_logits or opts.all_logits:
+        kept.append(logits)
+    decode_t0 = time.perf_counter()
+    for i in range(gen_len - 1):
+        if progress:
+            progress("decode", i + 1, gen_len)
+        s0 = time.perf_counter()
+        logits, timings = forward("decode", prompt_len + i, tok[:, None])
+        tok = sample(logits, opts.temperature, gen)
+        step_s.append(time.perf_counter() - s0)
+        tasks["decode"] += measured_tasks(programs["decode"], timings, s0 - decode_t0)
+        tokens.append(tok)
+        if opts.keep_logits:
+            kept.append(logits)
+    if progress:
+        progress("decode", gen_len, gen_len)
+    return _Generation(tokens=torch.stack(tokens, dim=1).tolist(), ttft_s=ttft_s, step_s=step_s, logits=kept,
+                       tasks=tasks)

@@ -34,7 +34,7 @@ class IlpOptions:
     depths: tuple = (2, 1)
     """Staging depths tried, in order; the best plan over them wins (each later depth is cut off
     at the best objective found so far)."""
-    time_limit_s: float = 30.0
+    time_limit_s: float = 120.0
     """Wall-clock safety net per depth. A plan stopped by it may differ between machines."""
     max_nodes: int = 30
     """Branch-and-bound nodes per depth: the deterministic limit (same plan on every machine)."""
