@@ -182,10 +182,10 @@ def _auto_dtype(spec, hw, wl, req) -> ModelSpec:
 
 def _fits_at_all(problem: Problem) -> bool:
     """A necessary condition for feasibility: everything fits in GPU + CPU together."""
-    need = sum(b.weight_bytes + b.kv_bytes for b in problem.blocks)
-    need += problem.gpu_workspace_bytes + problem.cpu_workspace_bytes
-    return need <= problem.gpu_budget_bytes + problem.cpu_budget_bytes and \
-        problem.cpu_workspace_bytes <= problem.cpu_budget_bytes
+    need = sum(b.weight_bytes + b.kv_bytes for b in problem.blocks) + problem.cpu_workspace_bytes
+    if problem.gpu_workspace_bytes <= problem.gpu_budget_bytes:
+        return need + problem.gpu_workspace_bytes <= problem.gpu_budget_bytes + problem.cpu_budget_bytes
+    return need <= problem.cpu_budget_bytes  # the GPU cannot even hold a workspace: all-CPU
 
 
 def diagnose(problem: Problem) -> str:
@@ -205,6 +205,13 @@ def diagnose(problem: Problem) -> str:
                      f"(--weight-dtype q4_k_m needs about {format_bytes(weights * 4.85 / 8 / spec.weight_bytes_per_param)}),"
                      f" a smaller batch or context (KV is {format_bytes(kv / max(1, wl.batch))} per sequence),"
                      f" or more memory (--cpu-mem / --gpu-mem, or a bigger node)")
+    elif problem.gpu_workspace_bytes > problem.gpu_budget_bytes:
+        lines.append(f"the GPU budget is smaller than one forward pass's activation workspace "
+                     f"({format_bytes(problem.gpu_workspace_bytes)} for batch {wl.batch} x prompt "
+                     f"{wl.prompt_len}), so only an all-CPU plan is possible and the CPU lacks "
+                     f"{format_bytes(weights + kv + problem.cpu_workspace_bytes - problem.cpu_budget_bytes)}: "
+                     f"give the GPU more memory (--gpu-mem), the CPU more DRAM (--cpu-mem), or use a "
+                     f"smaller batch, prompt or weight dtype")
     else:
         lines.append("the CPU tier cannot hold what the GPU cannot: give it more DRAM (--cpu-mem) "
                      "or use a smaller batch, context or weight dtype")

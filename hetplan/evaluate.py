@@ -16,7 +16,7 @@ def memory_report(problem: Problem, dec: Decision) -> dict:
     """Bytes per tier: resident weights, KV cache, staging slots, workspace; and the budgets.
 
     GPU: weights of ``gpu`` blocks + KV of ``gpu`` caches + depth * largest streamed block
-    + workspace. CPU: weights of ``cpu``/``stream`` blocks + KV of ``cpu`` caches + workspace."""
+    + workspace (when any block computes on the GPU). CPU: weights of ``cpu``/``stream`` blocks + KV of ``cpu`` caches + workspace."""
     gpu_w = cpu_w = gpu_kv = cpu_kv = 0.0
     slot = 0.0
     for b in problem.blocks:
@@ -31,7 +31,9 @@ def memory_report(problem: Problem, dec: Decision) -> dict:
                 gpu_kv += b.kv_bytes
             else:
                 cpu_kv += b.kv_bytes
-    gpu = {"weights": gpu_w, "kv": gpu_kv, "staging": dec.depth * slot, "workspace": problem.gpu_workspace_bytes}
+    gpu_used = any(dec.exec[ph][b.name] != "cpu" for ph in PHASES for b in problem.blocks)
+    gpu = {"weights": gpu_w, "kv": gpu_kv, "staging": dec.depth * slot,
+           "workspace": problem.gpu_workspace_bytes if gpu_used else 0.0}
     cpu = {"weights": cpu_w, "kv": cpu_kv, "workspace": problem.cpu_workspace_bytes}
     return {"gpu_bytes": sum(gpu.values()), "gpu_budget_bytes": problem.gpu_budget_bytes,
             "cpu_bytes": sum(cpu.values()), "cpu_budget_bytes": problem.cpu_budget_bytes,

@@ -111,7 +111,7 @@ class MoeBackend(DenseBackend):
                 self.recorder.record(c.layer, ids)
         experts = {e: _expert(w, f"experts.{e}") for e in range(s.n_experts)}
         y = experts_forward(h, ids, weights, experts, range(s.n_experts), s.act)
-        if False:
+        if s.n_shared_experts:
             y += swiglu(h, _expert(w, "shared"), s.act)
         return {"x": y.view_as(x).add_(x)}
 

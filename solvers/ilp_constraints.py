@@ -54,11 +54,19 @@ def add_memory(prob, r, s, k, slot, blocks, phases, depth, gpu_budget, cpu_budge
     block; with size classes W_1 > W_2 > ... of streamable blocks and binaries z_c (some block of
     size >= W_c is streamed in some phase):
         s_bp <= z_c(b)      z_c >= z_(c-1)      slot = sum_c (W_c - W_(c+1)) z_c
-        GPU:  sum_b W_b r_b + sum_b KV_b k_b + depth*slot + ws_gpu <= budget_gpu
+    The GPU needs its activation workspace only when it computes at all (binary v):
+        v >= r_b,  v >= s_bp
+        GPU:  sum_b W_b r_b + sum_b KV_b k_b + depth*slot + ws_gpu v <= budget_gpu
         CPU:  sum_b W_b (1 - r_b) + sum_b KV_b (1 - k_b) + ws_cpu <= budget_cpu"""
     gpu = pulp.lpSum((b.weight_bytes / unit) * r[b.name] for b in blocks)
     gpu += pulp.lpSum((b.kv_bytes / unit) * k[b.name] for b in blocks if b.name in k)
-    prob += gpu + depth * slot + gpu_ws / unit <= gpu_budget / unit, "gpu_mem"
+    used = pulp.LpVariable("gpu_used", cat="Binary")
+    for b in blocks:
+        prob += used >= r[b.name], f"gpu_used_{b.name}"
+        for p in phases:
+            if (b.name, p) in s:
+                prob += used >= s[b.name, p], f"gpu_used_{b.name}_{p}"
+    prob += gpu + depth * slot + (gpu_ws / unit) * used <= gpu_budget / unit, "gpu_mem"
     cpu = pulp.lpSum((b.weight_bytes / unit) * (1 - r[b.name]) for b in blocks)
     cpu += pulp.lpSum((b.kv_bytes / unit) * (1 - k[b.name]) for b in blocks if b.name in k)
     prob += cpu + cpu_ws / unit <= cpu_budget / unit, "cpu_mem"

@@ -76,14 +76,25 @@ def test_truncated_file_is_refused(tmp_path):
 def test_plan_missing_a_section_is_refused():
     d = json.loads(plan_text("gpu-ilp"))
     del d["schedule"]
-    with pytest.raises(HetplanError, match=r"p\.json: malformed plan .*schedule.*recompile"):
+    with pytest.raises(HetplanError, match=r"p\.json: the plan was edited after it was compiled"):
         Plan.from_json(json.dumps(d), source="p.json")
+    with pytest.raises(HetplanError, match=r"p\.json: malformed plan .*schedule.*recompile"):
+        Plan.from_json(json.dumps(d), source="p.json", verify=False)
 
 
 def test_edited_model_is_refused():
     d = json.loads(plan_text("gpu-ilp"))
     d["model"]["n_layers"] = 16   # fingerprint no longer matches
+    with pytest.raises(HetplanError, match=r"p\.json: the plan was edited .*fingerprint mismatch.* recompile"):
+        Plan.from_json(json.dumps(d), source="p.json")
     with pytest.raises(HetplanError, match=r"p\.json: model\.fingerprint does not match .* recompile"):
+        Plan.from_json(json.dumps(d), source="p.json", verify=False)
+
+
+def test_edited_placement_is_refused():
+    d = json.loads(plan_text("gpu-ilp"))
+    d["placement"][1]["weights"] = "cpu"
+    with pytest.raises(HetplanError, match=r"edited after it was compiled"):
         Plan.from_json(json.dumps(d), source="p.json")
 
 
