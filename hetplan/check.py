@@ -32,7 +32,8 @@ class CheckResult:
     failures: tuple
     """One readable line per regression; empty when the plan passes."""
     notes: tuple
-    """Changes that are not regressions (improvements beyond the tolerance)."""
+    """Differences that do not fail the plan: improvements beyond the tolerance, allowed or
+    time-limited placement changes."""
     summary: str
     updated: bool = False
 

@@ -49,13 +49,19 @@ def cli():
 
 def main(argv=None) -> int:
     with warnings.catch_warnings():
-        warnings.showwarning = _one_line_warning
+        warnings.showwarning = _one_line_warning(warnings.showwarning)
         return _main(argv)
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning (e.g. a profile measured on another machine) as one line on stderr, like errors."""
-    click.echo(f"hetplan: warning: {message}", err=True)
+def _one_line_warning(show_other):
+    """Show hetplan's own warnings (e.g. a profile measured on another machine) as one line on
+    stderr, like errors; any other warning as ``show_other`` would."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.split(".")[0] == "hetplan":
+            click.echo(f"hetplan: warning: {message}", err=True)
+        else:
+            show_other(message, category, filename, lineno, file, line)
+    return show
 
 
 def _main(argv=None) -> int:

@@ -95,13 +95,13 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     rows = None
     if compare:
         from hetplan.compare import compare as compare_plans
-        rows = compare_plans(plan, req)
+        from hetplan.compare import compare_dicts
+        rows = compare_dicts(compare_plans(plan, req))
     if as_json:
         doc = {"path": str(output), "predicted": plan.predicted, "memory": plan.memory,
                "solver": dict(plan.solver, solve_seconds=solve_s), "notes": list(req.notes)}
         if rows is not None:
-            from hetplan.compare import compare_dicts
-            doc["compare"] = compare_dicts(rows)
+            doc["compare"] = rows
         click.echo(json.dumps(doc, sort_keys=True))
         return
     p, m, s = plan.predicted, plan.memory, plan.solver
@@ -115,4 +115,4 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     if rows is not None:
         from hetplan.report import compare_table
         click.echo("")
-        click.echo(compare_table(rows))
+        click.echo(compare_table(rows, plan.workload.objective))

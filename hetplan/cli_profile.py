@@ -140,6 +140,10 @@ def command(out, budget, models, trace, profile_path, plan_path):
                f"{sum(len(e.points) for e in result.table.entries.values())} points")
     for s in info["skipped"]:
         click.echo(f"skipped: {s}", err=True)
+    load = info.get("load_average_before")
+    if load is not None and load >= 1.0:
+        click.echo(f"note: the load average was {load:g} when profiling started: other work was using "
+                   f"the CPUs, and the times measured include its interference", err=True)
 
 
 def _fold(trace: str, profile_path: str | None, plan_path: str | None) -> None:

@@ -102,7 +102,8 @@ def coordinate(op: str, work: Work, spec: ModelSpec) -> float:
 class Point:
     x: float
     seconds: float
-    """Median of the repeats."""
+    """One task doing this op: the median call plus the runtime's per-task overhead
+    (``measured``), or the median traced task (``trace``)."""
     spread_s: float = 0.0
     """Interquartile range of the repeats."""
     repeats: int = 1
@@ -156,9 +157,11 @@ class ProfileTable:
     """Identity of the machine measured (``hetplan.profile_checks.current_machine``)."""
     transfers: dict
     """``h2d_pinned`` | ``h2d_pageable`` | ``d2h_pinned`` | ``d2h_pageable`` -> points over bytes
-    (for reference: the cost model's links come from the node.yaml fitted to them)."""
+    (for reference: node.yaml's ``links`` and ``latency.link_task``, which the cost model reads,
+    are taken from the pinned curves)."""
     info: dict
-    """How it was measured: threads, torch version, budget, what was skipped."""
+    """How it was measured: threads, torch version, budget and time taken, load average, the
+    per-task overhead added to measured points, the peaks written to node.yaml, what was skipped."""
 
     def seconds(self, device: str, work: Work, spec: ModelSpec) -> float | None:
         """Measured seconds of ``work`` on ``device``, or None when nothing relevant was measured."""

@@ -38,8 +38,6 @@ class BlockRun:
     experts_on_gpu: int | None
     weight_bytes: float
     kv_bytes: float
-    order: int
-    """Index of ``first`` in the plan's placement (runs are listed by it)."""
 
     @property
     def label(self) -> str:
@@ -48,9 +46,10 @@ class BlockRun:
 
 def block_runs(plan: Plan) -> list:
     """Compress the placement: blocks of the same kind on consecutive layers with the same
-    weights, exec per phase, kv and experts_on_gpu become one run, e.g. ``attn_0..attn_39``."""
+    weights, exec per phase, kv and experts_on_gpu become one run, e.g. ``attn_0..attn_39``.
+    Runs are listed in the order of their first block."""
     runs, open_run = [], {}
-    for i, p in enumerate(plan.placement):
+    for p in plan.placement:
         key = (p["weights"], p["exec"]["prefill"], p["exec"]["decode"], p["kv"], p.get("experts_on_gpu"))
         cur = open_run.get(p["kind"])
         if cur and p["layer"] is not None and cur["layer"] == p["layer"] - 1 and cur["key"] == key:
@@ -58,13 +57,12 @@ def block_runs(plan: Plan) -> list:
                        weight_bytes=cur["weight_bytes"] + p["weight_bytes"], kv_bytes=cur["kv_bytes"] + p["kv_bytes"])
             continue
         cur = {"first": p["block"], "last": p["block"], "layer": p["layer"], "count": 1, "key": key,
-               "weight_bytes": p["weight_bytes"], "kv_bytes": p["kv_bytes"], "order": i}
+               "weight_bytes": p["weight_bytes"], "kv_bytes": p["kv_bytes"]}
         open_run[p["kind"]] = cur
         runs.append(cur)
     return [BlockRun(first=r["first"], last=r["last"], count=r["count"], weights=r["key"][0],
                      prefill=r["key"][1], decode=r["key"][2], kv=r["key"][3], experts_on_gpu=r["key"][4],
-                     weight_bytes=r["weight_bytes"], kv_bytes=r["kv_bytes"], order=r["order"])
-            for r in sorted(runs, key=lambda r: r["order"])]
+                     weight_bytes=r["weight_bytes"], kv_bytes=r["kv_bytes"]) for r in runs]
 
 
 def block_table(plan: Plan) -> str:
@@ -176,20 +174,16 @@ def render_show(plan: Plan) -> str:
 
 # -- compare table ---------------------------------------------------------------------------
 
-def compare_table(rows: list) -> str:
-    """The ``--compare`` table; ``rows`` are ``hetplan.compare.Candidate`` (chosen plan first)."""
-    from hetplan.compare import ratio_to_chosen
-
-    throughput = rows[0].plan.workload.objective == "throughput"
+def compare_table(rows: list, objective: str) -> str:
+    """The ``--compare`` table from ``hetplan.compare.compare_dicts`` rows (chosen plan first)."""
     out = []
-    for c in rows:
-        p, m = c.plan.predicted, c.plan.memory
-        fit = "yes" if c.fits else "no: " + ", ".join(f"{t.upper()} short {format_bytes(b)}"
-                                                     for t, b in c.missing_bytes.items())
-        out.append([c.strategy + (" (chosen)" if c.chosen else ""), format_seconds(p["ttft_s"]),
-                    format_seconds(p["tpot_s"]), f"{p['decode_tokens_per_s']:.2f}",
-                    format_bytes(m["gpu_bytes"]), format_bytes(m["cpu_bytes"]), fit,
-                    "-" if ratio_to_chosen(rows, c) is None else f"{ratio_to_chosen(rows, c):.2f}x"])
-    ratio = "x chosen (1/tok/s)" if throughput else f"x chosen ({rows[0].plan.workload.objective})"
-    return format_table(["strategy", "TTFT", "TPOT", "decode tok/s", "GPU mem", "CPU mem", "fits?", ratio],
+    for r in rows:
+        fit = "yes" if r["fits"] else "no: " + ", ".join(f"{t.upper()} short {format_bytes(b)}"
+                                                         for t, b in r["missing_bytes"].items())
+        ratio = r["ratio_to_chosen"]
+        out.append([r["strategy"] + (" (chosen)" if r["chosen"] else ""), format_seconds(r["ttft_s"]),
+                    format_seconds(r["tpot_s"]), f"{r['decode_tokens_per_s']:.2f}", format_bytes(r["gpu_bytes"]),
+                    format_bytes(r["cpu_bytes"]), fit, "-" if ratio is None else f"{ratio:.2f}x"])
+    ratio_head = "x chosen (1/tok/s)" if objective == "throughput" else f"x chosen ({objective})"
+    return format_table(["strategy", "TTFT", "TPOT", "decode tok/s", "GPU mem", "CPU mem", "fits?", ratio_head],
                         out, right={1, 2, 3, 4, 5, 7})

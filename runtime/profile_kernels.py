@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -28,6 +27,7 @@ from hetplan.cost import Work
 from hetplan.graph import block_graph
 from hetplan.model import ModelSpec
 from hetplan.profile_table import linear_shape, shape_key
+from hetplan.runtime.machine_info import cache_bytes
 from hetplan.runtime.weights import TORCH_DTYPES
 from hetplan.workload import Workload
 
@@ -64,21 +64,6 @@ class Kernel:
 
 def _rand(shape, dtype, device, scale=0.05) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device).uniform_(-scale, scale)
-
-
-def cache_bytes(device: str) -> int:
-    """The last-level cache a kernel's operands could stay in between calls: the CPU's largest
-    cache level (sysfs; 32 MiB if unknown), the GPU's L2."""
-    if device == "gpu":
-        return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or (64 << 20))
-    best = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
-        try:
-            best = max(best, int(text.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1))
-        except ValueError:
-            continue
-    return best or (32 << 20)
 
 
 def copies(device: str, nbytes: float) -> int:

@@ -10,11 +10,14 @@ least 3, at most 31), and the median and interquartile range recorded. Measured:
   KV cache at several context lengths, causal prefill attention;
 - GPU (when torch sees one): the same plus HBM bandwidth and kernel launch overhead;
 - links (with a GPU): pinned and pageable host->device and device->host copies, 64 KiB-256 MiB;
-- per ``--model``: every stage of the runtime's own backend for it (``runtime.profile_kernels``).
+- per ``--model``: every stage of the runtime's own backend for it (``runtime.profile_kernels``);
+- the runtime's fixed cost per CPU task (a tiny plan executed with tracing, against the same
+  stages called directly), which every measured point then includes: a point is a task's time.
 
 The budget is a deadline: a measurement starts only when its estimated cost (from the peaks
-measured first) fits in what is left of the budget and of its group's share, and everything
-that did not fit is listed in ``skipped``. Knows nothing about plans, solvers or files.
+measured first) fits in what is left of the budget and of its group's share; a second pass
+spends what the first left over on the points that did not fit; what still did not is listed in
+``skipped``. Knows nothing about solvers or files.
 """
 
 from __future__ import annotations
@@ -23,14 +26,12 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from hetplan.profile_checks import current_machine
 from hetplan.profile_table import Entry, Point, ProfileTable
-from hetplan.runtime.profile_kernels import (TORCH_DTYPES, attention_kernels, cache_bytes, linear_kernels,
-                                             stage_kernels)
+from hetplan.runtime.machine_info import cache_bytes, load_average, machine_record
+from hetplan.runtime.profile_kernels import TORCH_DTYPES, attention_kernels, linear_kernels, stage_kernels
 
 MIN_REPEATS, MAX_REPEATS = 3, 31
 LINK_SIZES = tuple(1 << s for s in range(16, 29, 2))
@@ -100,7 +101,8 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
     before ``budget`` runs out. ``progress(n)`` returns a context manager whose
     ``update(1, current_item=label)`` is called once per step (a click progress bar)."""
     devices = ("cpu", "gpu") if torch.cuda.is_available() else ("cpu",)
-    machine = _machine(devices)
+    machine = machine_record(devices)
+    load_before = load_average()
     peaks, entries, rates, usable, transfers = {}, {}, {}, {}, {}
     # The models' own stages first (they are what plans will price), then the standard grid.
     kernels = [k for device in devices for spec in specs for k in _model_kernels(spec, device, budget)]
@@ -135,7 +137,7 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
                          info={"threads": torch.get_num_threads(), "torch": torch.__version__,
                                "budget_s": budget.seconds, "elapsed_s": round(budget.elapsed_s(), 3),
                                "skipped": list(budget.skipped), "peaks": dict(peaks),
-                               "task_overhead_s": overhead,
+                               "task_overhead_s": overhead, "load_average_before": load_before,
                                "models": [s.name for s in specs]})
     return ProfileResult(peaks=peaks, machine=machine, table=table)
 
@@ -311,8 +313,8 @@ def _cpu_task_overhead_s(budget: Budget) -> float:
     from hetplan.timeline import trace_pid
     from hetplan.workload import Workload
 
-    if budget.left_s() < 5.0:
-        budget.skip("runtime task overhead", "needs 5 s of budget; latency.cpu_task is one op's dispatch")
+    if budget.left_s() < 2.0:
+        budget.skip("runtime task overhead", "needs 2 s of budget; latency.cpu_task is one op's dispatch")
         return 0.0
     spec = ModelSpec(name="overhead-probe", arch="llama", n_layers=4, hidden=64, intermediate=128, n_heads=4,
                      n_kv_heads=2, head_dim=16, vocab=256, max_positions=256, weight_dtype="fp32", kv_dtype="fp32")
@@ -352,42 +354,3 @@ def _grid_flops_peaks(entries: dict, peaks: dict) -> None:
         key = f"{where}.flops.{dtype}"
         peaks[key] = max(peaks.get(key, 0.0), best)
 
-
-# -- machine ------------------------------------------------------------------------------------
-
-def _machine(devices: tuple) -> dict:
-    """current_machine(), with the GPUs as torch sees them and their physical peaks."""
-    m = current_machine()
-    m["threads"] = torch.get_num_threads()
-    if "gpu" in devices:
-        gpus = []
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            g = {"name": p.name, "memory_bytes": int(p.total_memory)}
-            clock_khz, bus_bits = getattr(p, "memory_clock_rate", 0), getattr(p, "memory_bus_width", 0)
-            if clock_khz and bus_bits:
-                g["mem_peak_bytes_per_s"] = 2.0 * clock_khz * 1e3 * bus_bits / 8
-            link = _pcie_peak(p)
-            if link:
-                g["link_peak_bytes_per_s"] = link
-            gpus.append(g)
-        m["gpus"] = gpus
-    elif m.get("gpus") is None:
-        m["gpus"] = []
-    return m
-
-
-def _pcie_peak(props) -> float | None:
-    """Per-direction PCIe peak of the GPU's link from sysfs: GT/s * lanes * encoding / 8."""
-    bus = getattr(props, "pci_bus_id", None)
-    dom, dev = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", None)
-    if bus is None or dev is None:
-        return None
-    root = Path(f"/sys/bus/pci/devices/{dom:04x}:{bus:02x}:{dev:02x}.0")
-    try:
-        gts = float((root / "max_link_speed").read_text().split()[0])
-        lanes = int((root / "max_link_width").read_text().strip())
-    except (OSError, ValueError, IndexError):
-        return None
-    encoding = 128 / 130 if gts >= 8 else 8 / 10
-    return gts * 1e9 * lanes * encoding / 8

@@ -154,14 +154,6 @@ def test_text_prompt_without_a_tokenizer_is_refused(files, capsys):
     assert "tokenizer" in user_error(capsys, files / "plan.json", "--weights", "random", "--prompt", "hello")
 
 
-def test_moe_plan_is_refused_naming_the_missing_capability(tmp_path, capsys):
-    plan, _ = compile_plan(CompileRequest(model="mixtral-8x7b", hw="h200-128g", strategy="all-gpu",
-                                          weight_dtype="bf16", prompt_len=16, gen_len=4))
-    write_atomic(tmp_path / "moe.json", plan.to_json())
-    line = user_error(capsys, tmp_path / "moe.json", "--weights", "random")
-    assert "mixture-of-experts" in line and "does not execute them yet" in line
-
-
 def test_quantized_plan_is_refused_with_the_dtypes_the_runtime_executes(files, tmp_path, capsys):
     plan, _ = compile_plan(CompileRequest(model=str(files / "model"), hw=str(files / "node.yaml"), strategy="stream",
                                           weight_dtype="q4_k_m", prompt_len=4, gen_len=GEN_LEN))

@@ -123,3 +123,14 @@ def test_compile_with_a_foreign_profile_prints_a_one_line_warning(tmp_path, caps
     err = capsys.readouterr().err
     assert "hetplan: warning: " in err and "CPU model: profile 'Imaginary CPU 9000'" in err
     assert "Traceback" not in err and "warnings.warn" not in err
+
+
+def test_budget_is_read_in_seconds_or_minutes_and_nonsense_is_refused(capsys):
+    from hetplan.cli import main
+
+    assert cli_profile.parse_budget("120s") == 120.0
+    assert cli_profile.parse_budget("2m") == 120.0
+    assert cli_profile.parse_budget("90") == 90.0
+    for bad in ("soon", "0s", "-5s"):
+        assert main(["profile", "--budget", bad]) == 2
+        assert "--budget: cannot read" in capsys.readouterr().err

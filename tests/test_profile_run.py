@@ -65,3 +65,13 @@ def test_profile_times_the_models_stages_and_plans_use_them(profiled):
                                           prompt_len=4, gen_len=2, weight_dtype="fp32"))
     decode = plan.schedule["decode"].tasks
     assert {t.cost_source for t in decode if t.kind in ("attn_in", "attn_out", "mlp")} == {"profile"}
+
+
+def test_runtime_task_overhead_is_measured_or_reported_as_skipped(profiled):
+    table = load_profile(profiled / "node.profile.json")
+    hw = load_node(str(profiled / "node.yaml"))
+    overhead = table.info["task_overhead_s"]["cpu"]
+    if overhead > 0:
+        assert hw.latency_s["cpu_task"] == pytest.approx(overhead, rel=1e-3)
+    else:
+        assert any(s.startswith("runtime task overhead") for s in table.info["skipped"])

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from hetplan.compare import compare, missing_bytes, score
+from hetplan.compare import compare, compare_dicts, missing_bytes, score
 from hetplan.compiler import CompileRequest
 from hetplan.evaluate import make_plan
 from hetplan.graph import PHASES
@@ -201,8 +201,8 @@ def test_compare_lists_chosen_plan_then_every_baseline_on_the_same_problem(split
     assert [r.strategy.split(":")[0] for r in rows] == ["hand", "all-gpu", "greedy", "ngl", "stream"]
     assert rows[0].chosen and not any(r.chosen for r in rows[1:])
     assert {r.plan.workload for r in rows} == {split_plan.workload}
-    table = compare_table(rows)
-    assert "hand (chosen)" in table and "stream" in table
+    table = compare_table(compare_dicts(rows), split_plan.workload.objective)
+    assert "hand (chosen)" in table and "stream" in table and "x chosen (latency)" in table
 
 
 def test_best_ngl_is_no_worse_than_the_most_layers_that_fit():
@@ -226,7 +226,7 @@ def test_a_baseline_that_does_not_fit_reports_the_missing_bytes():
     weights = sum(b.weight_bytes for b in problem.blocks)
     # all weights (~640 MiB in fp32) cannot fit 200 MiB: short at least weights - budget
     assert not all_gpu.fits and all_gpu.missing_bytes["gpu"] >= weights - 200 * 2**20
-    assert "no: GPU short" in compare_table(rows)
+    assert "no: GPU short" in compare_table(compare_dicts(rows), "latency")
 
 
 def test_tick_labels_use_the_unit_of_the_whole_axis():
