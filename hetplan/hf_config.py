@@ -6,10 +6,10 @@ malformed key is an error that names the key and the file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hetplan.errors import HetplanError
+from hetplan.files import read_json
 from hetplan.model import FAMILIES, ModelSpec
 
 _ALIASES = {"mistral": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "opt": "opt",
@@ -22,13 +22,7 @@ def load_config_file(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
-        raise HetplanError(f"{p}: no such file (expected a model preset name, a config.json, "
-                           f"or a directory holding one)")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise HetplanError(f"{p}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+    cfg = read_json(p, "file (expected a model preset name, a config.json, or a directory holding one)")
     if not isinstance(cfg, dict):
         raise HetplanError(f"{p}: expected a JSON object at the top level")
     return cfg

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from hetplan.cost import Work
 from hetplan.errors import HetplanError
+from hetplan.files import read_json
 from hetplan.model import ModelSpec
 
 SCHEMA_VERSION = 1
@@ -237,13 +238,8 @@ def load_profile(path: str | Path, check_machine: bool = True) -> ProfileTable:
     from hetplan.profile_checks import current_machine, machine_differences, profile_problems
 
     p = Path(path)
-    if not p.is_file():
-        raise HetplanError(f"{p}: no such profile (the node.yaml's 'profile:' key points here); "
-                           f"write it with `hetplan profile --out NODE.yaml` or remove the key")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise HetplanError(f"{p}:{e.lineno}:{e.colno}: malformed JSON ({e.msg}); re-run `hetplan profile`") from None
+    raw = read_json(p, "profile (the node.yaml's 'profile:' key points here); write it with "
+                       "`hetplan profile --out NODE.yaml` or remove the key", fix="; re-run `hetplan profile`")
     table = ProfileTable.from_dict(raw, source=str(p))
     problems = profile_problems(table)
     if problems:

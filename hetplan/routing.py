@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetplan.errors import HetplanError
+from hetplan.files import read_json
 from hetplan.model import ModelSpec
 from hetplan.plan import write_atomic
 
@@ -98,13 +99,7 @@ def write_routing(path: str | Path, stats: RoutingStats) -> None:
 def load_routing(path: str | Path, spec: ModelSpec) -> RoutingStats:
     """Read and validate a routing-statistics file for ``spec`` (see the module docstring)."""
     p = Path(path)
-    if not p.is_file():
-        raise HetplanError(f"{p}: no such routing-statistics file (write one with "
-                           f"`hetplan exec PLAN --record-routing {p.name}`)")
-    try:
-        doc = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise HetplanError(f"{p}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+    doc = read_json(p, f"routing-statistics file (write one with `hetplan exec PLAN --record-routing {p.name}`)")
     return stats_from_dict(doc, spec, source=str(p))
 
 

@@ -84,7 +84,6 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
             edges.append((last_stage[names[i - dec.depth]], t.id))
         return t
 
-    d = dec.depth
     h2d += [load(n) for n in names if n in slots]
     return PhaseSchedule(tuple(_timed(compute + acts + h2d + d2h, edges)), tuple(edges))
 

@@ -86,7 +86,6 @@ class _Model:
         for p in PHASES:
             self._timeline(p)
         # (2) objective ----------------------------------------------------------------------
-        wl = problem.workload
         self.weights = self._objective_weights()
         w_pre, w_dec = self.weights
         self.prob += w_pre * self.T["prefill"] + w_dec * self.T["decode"], "objective_ms"
@@ -240,6 +239,7 @@ class _Model:
 
     def _pair_gaps(self, p, names, costs, streamed):
         """(block, window block) -> {(m, n): least S_b - E_w in that pair of modes}."""
+        keys = set(self._modes(p))
         gaps = {}
         for i, cur in enumerate(names):
             if i < max(1, self.depth) or cur not in streamed:
@@ -249,7 +249,7 @@ class _Model:
             table = {}
             for m in MODES:
                 for n_ in MODES:
-                    if (cur, m) not in self._mode_keys(p) or (prev, n_) not in self._mode_keys(p):
+                    if (cur, m) not in keys or (prev, n_) not in keys:
                         continue
                     chain = MS * self._copy_s(first, m, n_)
                     if self.depth == 2:
@@ -258,13 +258,6 @@ class _Model:
                     table[m, n_] = max(load, chain)
             gaps[cur, w] = table
         return gaps
-
-    def _mode_keys(self, p):
-        if not hasattr(self, "_mk"):
-            self._mk = {}
-        if p not in self._mk:
-            self._mk[p] = set(self._modes(p))
-        return self._mk[p]
 
     # (4) solve -------------------------------------------------------------------------------
     def solve(self, opts: IlpOptions, cutoff_s: float | None = None) -> IlpResult:
