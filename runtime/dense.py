@@ -70,7 +70,9 @@ class DenseBackend:
                                f"runtime (supported: {', '.join(sorted(_ACTS))})")
         self.spec = spec
         self.act = _ACTS[spec.act]
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.weight_dtype]
+        # The dtype stages compute in: the weights' own, or (quantised weights) the one the run
+        # dequantises into, set before ``setup``.
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.weight_dtype, torch.float32)
         self.llama_like = spec.arch not in ("opt", "gpt2")
         self.pos_offset = 2 if spec.arch == "opt" else 0
         # OPT scales q before attention (and attends with scale 1); the others scale in attention.
@@ -110,7 +112,7 @@ class DenseBackend:
     # -- stages ------------------------------------------------------------------------------
     def _embed(self, c: StageCall) -> dict:
         ids = c.inputs["ids"]                                  # [B, S] int64
-        x = F.embedding(ids, c.weights["tok"])                 # [B, S, D]
+        x = F.embedding(ids, c.weights["tok"]).to(self.dtype)  # [B, S, D] (fp16 tables of quantised plans)
         if "pos" in c.weights:
             lo = c.step.start + self.pos_offset
             x += c.weights["pos"][lo:lo + c.step.new_tokens]  # [S, D] broadcast over B

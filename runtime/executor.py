@@ -202,8 +202,11 @@ class Executor:
             kv = None
             if kind in ("attn_core", "attn") and self.residency.kv_tier.get(task.block) == op.device:
                 kv = self.residency.kv[task.block]
+            weights = self.weights[prog.phase][op.index]
+            if hasattr(weights, "materialise"):  # a quantised block: dequantised as the stage reads it
+                weights = weights.materialise()
             call = StageCall(kind=kind, block=task.block, layer=self.residency.blocks[task.block].layer,
-                             device=self.devices.device(op.device), weights=self.weights[prog.phase][op.index],
+                             device=self.devices.device(op.device), weights=weights,
                              inputs={key[1]: t for key, t in inputs.items()}, step=run.step, kv=kv)
             for name, t in self.backend.run(call).items():
                 run.put((op.index, name), t, op.device, f"{name} of {task.id}")

@@ -16,12 +16,20 @@ pages).
 - KV caches: ``[B, T, ...]`` tensors per attention block in the tier of its ``kv`` (pinned host
   memory when a GPU copies the prompt's KV into it).
 
+A plan with a quantised weight dtype (``hetplan.runtime.quant``) stores each block as bytes: its
+linear weights packed, then its other tensors (fp16 embedding tables; norms and biases in the
+compute dtype). Slots and loads move those bytes. A stage's weights are then a ``PackedView``:
+``materialise()`` dequantises each linear, when a stage looks it up, into a preallocated buffer of the compute dtype on the
+stage's tier (one per tier, as large as the largest block's linears) and views the rest in place.
+The planner does not count these buffers; the emulated GPU's budget grows by its buffer.
+
 Everything is allocated here, through ``Devices`` (which counts it); nothing during a step.
 Knows nothing about the schedule beyond which slot a block uses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +37,7 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.graph import PHASES
 from hetplan.plan import Plan
+from hetplan.runtime import quant
 from hetplan.runtime.devices import Devices
 
 
@@ -44,7 +53,7 @@ class BlockWeights:
     layout: tuple
     """((local name, offset in elements, shape), ...) inside ``flat`` and inside a slot."""
     tensors: dict
-    """local name -> view into ``flat``."""
+    """local name -> view into ``flat`` (a ``PackedView`` of it for a quantised block)."""
 
 
 def check_placement(plan: Plan) -> None:
@@ -65,26 +74,32 @@ class Residency:
 
     def __init__(self, plan: Plan, backend, source, devices: Devices, dtype: torch.dtype,
                  kv_dtype: torch.dtype, batch: int, max_tokens: int, progress=None):
+        """``dtype``: the weights' dtype, or the compute dtype of a quantised plan."""
         check_placement(plan)
         self.devices = devices
         self.fused = backend.fused() if hasattr(backend, "fused") else {}
         self.blocks: dict[str, BlockWeights] = {}
         entries = list(plan.placement)
         specs = {p["block"]: backend.block_tensors(p["block"], p["kind"], p["layer"]) for p in entries}
+        self.fmt = plan.model.weight_dtype if quant.is_quantised(plan.model.weight_dtype) else None
         for p in entries:  # check every tensor before placing any
             for t in specs[p["block"]]:
-                source.check(t, dtype, f"block {p['block']}")
+                source.check(t, None if self.fmt else dtype, f"block {p['block']}")
         streamed = {p["block"] for p in entries if any(p["exec"][ph] == "stream" for ph in PHASES)}
+        self.buffers = {}
+        if self.fmt:
+            self._allocate_buffers(entries, specs, dtype)
         for i, p in enumerate(entries):
             if progress:
                 progress("loading", i, len(entries))
             tier = "gpu" if p["weights"] == "gpu" else "cpu"
-            self.blocks[p["block"]] = self._place(p, specs[p["block"]], source, dtype, tier,
-                                                  pinned=p["block"] in streamed)
+            place = self._place_packed if self.fmt else self._place
+            self.blocks[p["block"]] = place(p, specs[p["block"]], source, dtype, tier, pinned=p["block"] in streamed)
         if progress:
             progress("loading", len(entries), len(entries))
         slot_numel = max((self.blocks[b].flat.numel() for b in streamed), default=0)
-        self.slots = [devices.empty("gpu", (slot_numel,), dtype, f"staging slot {s}")
+        slot_dtype = torch.uint8 if self.fmt else dtype
+        self.slots = [devices.empty("gpu", (slot_numel,), slot_dtype, f"staging slot {s}")
                       for s in range(plan.staging["depth"] if streamed else 0)]
         self._views = {}
         kv_down = {t.block for t in plan.schedule["prefill"].tasks if t.kind == "kv_down"}
@@ -109,6 +124,49 @@ class Residency:
             source.fill(t, tensors[t.local])
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, tuple(layout), tensors)
 
+    def _allocate_buffers(self, entries, specs, dtype: torch.dtype) -> None:
+        """One dequantisation buffer per tier that computes with quantised blocks, as large as
+        the largest such block's linear weights."""
+        for tier in ("gpu", "cpu"):
+            users = [p["block"] for p in entries
+                     if any(p["exec"][ph] in ((tier, "stream") if tier == "gpu" else (tier,)) for ph in PHASES)]
+            numel = max((sum(_numel(t.shape) for t in specs[b] if quant.quantises(t.local, t.shape))
+                         for b in users), default=0)
+            if numel:
+                ledger = self.devices.ledgers[tier]
+                if ledger.budget_bytes is not None:
+                    ledger.budget_bytes += numel * torch.empty((), dtype=dtype).element_size()
+                self.buffers[tier] = self.devices.empty(tier, (numel,), dtype, f"{tier} dequantisation buffer")
+
+    def _place_packed(self, p, specs, source, dtype, tier: str, pinned: bool) -> BlockWeights:
+        """The block as bytes: packed linears (each 16-byte aligned), then its other tensors in
+        one run of ``raw_dtype`` (fp16 for an embedding block, else the compute dtype)."""
+        linears = [t for t in specs if quant.quantises(t.local, t.shape)]
+        others = [t for t in specs if not quant.quantises(t.local, t.shape)]
+        raw_dtype = torch.float16 if others and all(t.local in quant.EMBEDDINGS for t in others) else dtype
+        packed, offset = [], 0
+        for t in linears:
+            n = quant.nbytes(self.fmt, quant.stored_shape(t.local, t.shape))
+            packed.append((t.local, offset, tuple(t.shape), n))
+            offset += -(-n // 16) * 16
+        raw_offset, raw_layout, numel = offset, [], 0
+        for t in others:
+            raw_layout.append((t.local, numel, tuple(t.shape)))
+            numel += _numel(t.shape)
+        elem = torch.empty((), dtype=raw_dtype).element_size()
+        flat = self.devices.empty(tier, (raw_offset + numel * elem,), torch.uint8, f"weights of {p['block']}",
+                                  pinned=pinned)
+        for (local, off, shape, n), t in zip(packed, linears):
+            w = source.view(t, None)
+            w = w.t() if local.endswith("_t") else w
+            flat[off:off + n].copy_(quant.quantise(self.fmt, w.to(flat.device)))
+        raw = flat[raw_offset:].view(raw_dtype)
+        for (local, off, shape), t in zip(raw_layout, others):
+            raw[off:off + _numel(shape)].view(shape).copy_(source.view(t, None))
+        layout = (tuple(packed), raw_offset, raw_dtype, tuple(raw_layout))
+        return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, layout,
+                            PackedView(self.fmt, flat, layout, self.buffers.get(tier), self.fused))
+
     # -- what a task touches ------------------------------------------------------------------
     def weights(self, block: str, device: str, slot: int | None) -> dict:
         """The tensors a stage of ``block`` computes with on ``device`` (``gpu``/``cpu``):
@@ -121,7 +179,8 @@ class Residency:
             return {}
         key = (block, slot)
         if key not in self._views:
-            self._views[key] = _views(self.slots[slot], bw.layout, self.fused)
+            self._views[key] = PackedView(self.fmt, self.slots[slot], bw.layout, self.buffers["gpu"], self.fused) \
+                if self.fmt else _views(self.slots[slot], bw.layout, self.fused)
         return self._views[key]
 
     def load(self, block: str, slot: int) -> None:
@@ -129,6 +188,63 @@ class Residency:
         the caller is on the ``h2d`` stream)."""
         flat = self.blocks[block].flat
         self.slots[slot][:flat.numel()].copy_(flat, non_blocking=self.devices.cuda)
+
+
+@dataclass(frozen=True)
+class PackedView:
+    """A quantised block's bytes (resident, host or a staging slot) and the buffer its stages
+    dequantise into."""
+    fmt: str
+    flat: torch.Tensor
+    """uint8: packed linears, then the other tensors."""
+    layout: tuple
+    """(((local, byte offset, shape, nbytes), ...), raw byte offset, raw dtype, ((local, offset, shape), ...))."""
+    buffer: torch.Tensor | None
+    """The tier's dequantisation buffer (compute dtype)."""
+    fused: dict
+
+    def materialise(self) -> "Dequantised":
+        """The block's tensors for one stage: linears dequantised into ``buffer`` when first
+        looked up (laid back to back in block order, so fused groups stay adjacent), the rest
+        viewed in place."""
+        return Dequantised(self)
+
+
+class Dequantised(Mapping):
+    """local (or fused) name -> tensor for one stage; a linear is dequantised on first lookup."""
+
+    def __init__(self, view: PackedView):
+        packed, raw_offset, raw_dtype, raw_layout = view.layout
+        self._view, self._packed = view, {local: (off, shape, n) for local, off, shape, n in packed}
+        dense, offset = [], 0
+        for local, _, shape, _ in packed:
+            dense.append((local, offset, shape))
+            offset += _numel(shape)
+        self._dense = _views(view.buffer, dense, view.fused) if packed else {}
+        self._parts = {name: view.fused.get(name, (name,)) for name in self._dense}
+        nbytes = sum(_numel(shape) for _, _, shape in raw_layout) * torch.empty((), dtype=raw_dtype).element_size()
+        self._raw = _views(view.flat[raw_offset:raw_offset + nbytes].view(raw_dtype), raw_layout, view.fused)
+        self._done = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._raw:
+            return self._raw[name]
+        for local in self._parts[name]:
+            if local not in self._done:
+                off, shape, n = self._packed[local]
+                target = self._dense[local].t() if local.endswith("_t") else self._dense[local]
+                quant.dequantise(self._view.fmt, self._view.flat[off:off + n], quant.stored_shape(local, shape), target)
+                self._done.add(local)
+        return self._dense[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._raw or name in self._dense
+
+    def __iter__(self):
+        return iter((*self._dense, *self._raw))
+
+    def __len__(self) -> int:
+        return len(self._dense) + len(self._raw)
 
 
 def _views(buf: torch.Tensor, layout, fused: dict) -> dict:

@@ -34,11 +34,13 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
 _PLAN_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
-def torch_dtype(name: str, what: str) -> torch.dtype:
+def torch_dtype(name: str, option: str) -> torch.dtype:
+    """The torch dtype of a plan's unquantised weight or KV dtype; ``option`` names the compile
+    option that chose it (``--weight-dtype``, ``--kv-dtype``)."""
     if name not in TORCH_DTYPES:
-        raise HetplanError(f"{what} {name!r}: the torch runtime executes {', '.join(TORCH_DTYPES)} "
-                           f"weights and KV caches; recompile the plan with --weight-dtype/--kv-dtype "
-                           f"set to one of them")
+        raise HetplanError(f"plan {option} {name}: the torch runtime keeps these in {', '.join(TORCH_DTYPES)}"
+                           f"{' (weights also in int8 int4 q8_0 q4_0 q4_k_m)' if option == '--weight-dtype' else ''}; "
+                           f"recompile the plan with {option} set to one of them")
     return TORCH_DTYPES[name]
 
 
@@ -94,14 +96,20 @@ class Checkpoint:
             raise HetplanError(f"--weights {self.directory}: tensor {stored!r} in {f.name} has shape "
                                f"{list(shape)}, the plan's model expects {list(expected.shape)} ({where}); "
                                f"these weights are not the model the plan was compiled for")
+        if dtype is None:  # quantised at load time: any float checkpoint will do
+            if st_dtype not in _PLAN_NAMES:
+                raise HetplanError(f"--weights {self.directory}: tensor {stored!r} in {f.name} is {st_dtype}; "
+                                   f"a plan with quantised weights is loaded from fp32, fp16 or bf16 tensors")
+            return
         if st_dtype != dtype:
             raise HetplanError(f"--weights {self.directory}: tensor {stored!r} in {f.name} is "
                                f"{_PLAN_NAMES.get(st_dtype, st_dtype)}, the plan's model is "
                                f"{_PLAN_NAMES[dtype]} ({where}); compile the plan with --weight-dtype "
                                f"{_PLAN_NAMES.get(st_dtype, st_dtype)}")
 
-    def view(self, expected: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
-        """A CPU tensor over the file's pages (no copy); ``dtype`` was checked by ``check``."""
+    def view(self, expected: TensorSpec, dtype: torch.dtype | None) -> torch.Tensor:
+        """A CPU tensor over the file's pages (no copy), in its stored dtype (``check`` checked it
+        is ``dtype``; None: any float)."""
         f, dtype, shape, offset, nbytes = self._entries[self.resolve(expected.checkpoint)]
         if f not in self._maps:
             with open(f, "rb") as fh:
@@ -165,8 +173,9 @@ class RandomWeights:
     def check(self, expected: TensorSpec, dtype: torch.dtype, where: str) -> None:
         return None
 
-    def view(self, expected: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(expected.shape, dtype=dtype)
+    def view(self, expected: TensorSpec, dtype: torch.dtype | None) -> torch.Tensor:
+        """The tensor in ``dtype`` (None: fp32)."""
+        out = torch.empty(expected.shape, dtype=dtype or torch.float32)
         self.fill(expected, out)
         return out
 

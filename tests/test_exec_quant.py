@@ -1,0 +1,163 @@
+"""`hetplan exec` runs plans whose weights are quantised (q8_0, q4_0, int8, int4, q4_k_m).
+
+Each linear weight is stored packed in the plan's format (byte sizes derived by hand from the
+format definitions below) and dequantised per stage into fp32 on the CPU. For tiny llama and gpt2
+models (fp32 checkpoints) the run's logits equal transformers' run with the dequantised weights
+(embedding tables rounded to fp16, the rest untouched), greedy tokens agree, the quantisation
+error against the fp32 model is small, and the emulated GPU holds no more than the plan plus the
+runtime's stated overheads. A q4_k_m plan mixing GPU, streamed and CPU blocks runs too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_exec_numerics import GPU_NODE, save_tiny_model
+
+from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.errors import HetplanError
+from hetplan.graph import workspace_bytes
+from hetplan.runtime import quant
+from hetplan.runtime.backend import backend_for
+from hetplan.runtime.session import RunOptions, run_plan
+
+PROMPT_LEN, GEN_LEN, TOL = 8, 8, 1e-4
+PROMPT = (tuple(range(3, 3 + PROMPT_LEN)),)
+BITS = {"q8_0": 34 * 8 / 32, "q4_0": 18 * 8 / 32, "q4_k_m": 156 * 8 / 256}
+"""Bits per weight of the block formats, from their byte layouts (whole blocks)."""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    (d / "gpu.yaml").write_text(GPU_NODE)
+    models = {fam: save_tiny_model(fam, d / fam) for fam in ("llama", "gpt2")}
+    return d, models
+
+
+def compiled(d, family, fmt, strategy="all-gpu", gpu_mem=None):
+    req = CompileRequest(model=str(d / family), hw=str(d / "gpu.yaml"), strategy=strategy, weight_dtype=fmt,
+                         kv_dtype="fp32", gpu_mem=gpu_mem, prompt_len=PROMPT_LEN, gen_len=GEN_LEN)
+    return compile_plan(req)[0]
+
+
+def dequantised_model(model, spec, fmt):
+    """A copy of ``model`` holding what the runtime computes with: linears quantised and
+    dequantised, embedding tables rounded to fp16, the head's weight its own (untied) matrix."""
+    backend = backend_for(spec)
+    ref = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    head = None
+    kinds = [("embed", None), ("head", None)] + [(k, l) for l in range(spec.n_layers) for k in ("attn", "mlp")]
+    for kind, layer in kinds:
+        for t in backend.block_tensors(kind, kind, layer):
+            name = t.checkpoint if t.checkpoint in state else t.checkpoint.split(".", 1)[1]
+            w = model.state_dict()[name]
+            if t.local in quant.EMBEDDINGS:
+                state[name] = w.half().float()
+            elif quant.quantises(t.local, t.shape):
+                rows = w.t() if t.local.endswith("_t") else w
+                deq = quant.dequantise(fmt, quant.quantise(fmt, rows), rows.shape, torch.empty(rows.shape))
+                deq = deq.t() if t.local.endswith("_t") else deq
+                if kind == "head":
+                    head = deq
+                else:
+                    state[name] = deq
+    ref.load_state_dict(state, strict=False)
+    ref.lm_head.weight = torch.nn.Parameter(head)      # untied from the (fp16) embedding table
+    return ref
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("shape", [(64, 64), (96, 64), (7, 33)])
+def test_packed_sizes_follow_the_format_definitions(fmt, shape):
+    out, inp = shape
+    n = out * inp
+    expected = {"q8_0": 34 * -(-n // 32), "q4_0": 18 * -(-n // 32), "int8": out * inp + 4 * out,
+                "int4": -(-n // 2) + 4 * out, "q4_k_m": 156 * -(-n // 256)}[fmt]
+    w = torch.randn(shape)
+    assert quant.quantise(fmt, w).numel() == expected == quant.nbytes(fmt, shape)
+
+
+def test_q4_k_m_rate_is_within_one_percent_of_the_planners():
+    assert abs(BITS["q4_k_m"] - 4.85) / 4.85 < 0.01
+    assert BITS["q8_0"] == 8.5 and BITS["q4_0"] == 4.5
+
+
+@pytest.mark.parametrize("fmt,qmax", [("q8_0", 127), ("int8", 127), ("q4_0", 7), ("int4", 7), ("q4_k_m", 7.5)])
+def test_dequantised_error_is_at_most_half_a_step(fmt, qmax):
+    """Symmetric formats round to steps of max|x| / qmax; q4_k_m to steps of range / 15 plus
+    the min's 8-bit rounding."""
+    w = torch.randn(16, 64)
+    deq = quant.dequantise(fmt, quant.quantise(fmt, w), w.shape, torch.empty(w.shape))
+    step = w.abs().max() / qmax
+    assert (deq - w).abs().max() <= step * 0.55 + 1e-6
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_logits_match_transformers_with_dequantised_weights(setup, family, fmt):
+    d, models = setup
+    plan = compiled(d, family, fmt)
+    result = run_plan(plan, RunOptions(weights=str(d / family), prompt_ids=PROMPT, gen_len=GEN_LEN,
+                                       keep_logits=True, emulate=True))
+    ids = torch.tensor(PROMPT)
+    ref = dequantised_model(models[family], plan.model, fmt)
+    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
+    with torch.no_grad():
+        out = ref.generate(ids, max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+        exact = models[family](ids).logits[:, -1]
+    steps = torch.stack(out.logits)                               # [G, B, V]
+    got = torch.stack(result.logits)
+    assert (got - steps).abs().max().item() <= TOL
+    assert result.tokens == out.sequences[:, PROMPT_LEN:].tolist()
+    # Quantisation error against the fp32 model: a loose sanity bound on the first logits.
+    rel = ((got[0] - exact).norm() / exact.norm()).item()
+    assert rel < (0.05 if fmt in ("q8_0", "int8") else 0.5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k_m"])
+def test_emulated_gpu_peak_is_the_plan_plus_stated_overheads(setup, family, fmt):
+    """Overheads the planner does not count: the fp32 dequantisation buffer (the largest
+    block's linears), fp16 embedding tables (counted at the quantised rate), and activations
+    in fp32 where the plan counts 16-bit ones (one more workspace)."""
+    d, _ = setup
+    plan = compiled(d, family, fmt)
+    spec = plan.model
+    result = run_plan(plan, RunOptions(weights=str(d / family), prompt_ids=PROMPT, gen_len=GEN_LEN, emulate=True))
+    f = spec.intermediate * spec.hidden
+    buffer_bytes = 4 * max((3 if spec.gated_mlp else 2) * f, spec.hidden * (spec.q_dim + spec.attn_out_dim
+                                                                            + 2 * spec.n_kv_heads * spec.head_dim),
+                           spec.vocab * spec.hidden)
+    embed_extra = spec.embed_params() * (2 - spec.weight_bytes_per_param)
+    allowed = plan.memory["gpu_bytes"] + buffer_bytes + embed_extra + workspace_bytes(spec, plan.workload)
+    assert result.peak_bytes["gpu"] <= allowed
+
+
+def test_tight_q4_k_m_plan_mixing_gpu_stream_and_cpu_blocks_runs(setup):
+    d, models = setup
+    for kib in (20, 30, 40, 50, 60, 70, 80):
+        plan = compiled(d, "llama", "q4_k_m", strategy="ilp", gpu_mem=f"{kib}KiB")
+        modes = {p["exec"][ph] for p in plan.placement for ph in ("prefill", "decode")}
+        if {"gpu", "stream", "cpu"} <= modes:
+            break
+    else:
+        pytest.fail(f"no ILP plan mixes gpu, stream and cpu blocks; the last held {modes}")
+    result = run_plan(plan, RunOptions(weights=str(d / "llama"), prompt_ids=PROMPT, gen_len=GEN_LEN,
+                                       keep_logits=True, emulate=True))
+    ref = run_plan(compiled(d, "llama", "q4_k_m"), RunOptions(weights=str(d / "llama"), prompt_ids=PROMPT,
+                                                              gen_len=GEN_LEN, keep_logits=True, emulate=True))
+    assert (torch.stack(result.logits) - torch.stack(ref.logits)).abs().max().item() <= TOL
+    assert result.tokens == ref.tokens
+
+
+def test_quantised_kv_cache_is_refused_naming_the_option(setup):
+    d, _ = setup
+    req = CompileRequest(model=str(d / "llama"), hw=str(d / "gpu.yaml"), strategy="all-gpu", weight_dtype="q8_0",
+                         kv_dtype="int8", prompt_len=PROMPT_LEN, gen_len=GEN_LEN)
+    plan = compile_plan(req)[0]
+    with pytest.raises(HetplanError, match="--kv-dtype int8"):
+        run_plan(plan, RunOptions(weights=str(d / "llama"), prompt_ids=PROMPT, gen_len=GEN_LEN, emulate=True))
