@@ -154,9 +154,9 @@ def test_text_prompt_without_a_tokenizer_is_refused(files, capsys):
     assert "tokenizer" in user_error(capsys, files / "plan.json", "--weights", "random", "--prompt", "hello")
 
 
-def test_quantized_plan_is_refused_with_the_dtypes_the_runtime_executes(files, tmp_path, capsys):
+def test_quantized_kv_plan_is_refused_with_the_dtypes_the_runtime_keeps(files, tmp_path, capsys):
     plan, _ = compile_plan(CompileRequest(model=str(files / "model"), hw=str(files / "node.yaml"), strategy="stream",
-                                          weight_dtype="q4_k_m", prompt_len=4, gen_len=GEN_LEN))
+                                          weight_dtype="q4_k_m", kv_dtype="int8", prompt_len=4, gen_len=GEN_LEN))
     write_atomic(tmp_path / "q.json", plan.to_json())
     line = user_error(capsys, tmp_path / "q.json", "--weights", "random")
-    assert "'q4_k_m'" in line and "fp32, bf16, fp16" in line
+    assert "--kv-dtype int8" in line and "fp32, bf16, fp16" in line
