@@ -29,24 +29,13 @@ from hetplan.problem import build_problem
 from hetplan.routing import load_routing
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.workload import Workload
+from tiny_models import TINY_GPU_NODE
+from tiny_models import MOE_FAMILIES
 
 PROMPT_LEN, GEN_LEN, TOL, VOCAB = 8, 32, 1e-4, 128
-NODE = """
-name: tiny-gpu-node
-gpus: [{name: test gpu, memory: 1GiB, mem_bandwidth: 100GB/s, flops: {fp32: 10TFLOPS}}]
-cpu: {name: slow cpu, cores: 2, memory: 4GiB, mem_bandwidth: 0.2GB/s, flops: {fp32: 2GFLOPS}}
-links: {h2d: 10GB/s, d2h: 10GB/s}
-reserve: {gpu: 1KiB, cpu: 1KiB}
-latency: {gpu_task: 1.0e-6, cpu_task: 1.0e-6, link_task: 1.0e-6}
-"""
+NODE = TINY_GPU_NODE
 FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True)),
+    **MOE_FAMILIES,
     # One dense layer, then MoE layers with a shared expert; q compressed; grouped routing.
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

@@ -22,18 +22,12 @@ from hetplan.plan import Decision
 from hetplan.problem import build_problem
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.workload import Workload
+from tiny_models import TINY_GPU_NODE
 
 PROMPT_LEN, GEN_LEN, TOL = 8, 32, 1e-4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gpt2")
 
-GPU_NODE = """
-name: tiny-gpu-node
-gpus: [{name: test gpu, memory: 1GiB, mem_bandwidth: 100GB/s, flops: {fp32: 10TFLOPS}}]
-cpu: {name: slow cpu, cores: 2, memory: 4GiB, mem_bandwidth: 0.2GB/s, flops: {fp32: 2GFLOPS}}
-links: {h2d: 10GB/s, d2h: 10GB/s}
-reserve: {gpu: 1KiB, cpu: 1KiB}
-latency: {gpu_task: 1.0e-6, cpu_task: 1.0e-6, link_task: 1.0e-6}
-"""
+GPU_NODE = TINY_GPU_NODE
 CPU_NODE = """
 name: tiny-cpu-node
 cpu: {name: cpu, cores: 2, memory: 4GiB, mem_bandwidth: 10GB/s, flops: {fp32: 100GFLOPS}}

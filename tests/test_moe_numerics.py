@@ -27,6 +27,7 @@ from hetplan.runtime.moe_reference import ReferenceModel  # noqa: E402
 from hetplan.runtime.moe_weights import (block_tensors, group_by_block, moe_layer_from_tensors,  # noqa: E402
                                          weight_key)
 from hetplan.workload import Workload  # noqa: E402
+from tiny_models import MOE_FAMILIES
 
 VOCAB = 128
 _DEEPSEEK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -37,13 +38,7 @@ _DEEPSEEK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
          "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
 FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True)),
+    **MOE_FAMILIES,
     "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_experts=8,

@@ -22,15 +22,9 @@ from hetplan.runtime.dense import DenseBackend
 from hetplan.runtime.devices import Ledger, check_free_memory
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.workload import Workload
+from tiny_models import TINY_GPU_NODE
 
-NODE = """
-name: sched-test-node
-gpus: [{name: test gpu, memory: 1GiB, mem_bandwidth: 100GB/s, flops: {fp32: 10TFLOPS}}]
-cpu: {name: slow cpu, cores: 2, memory: 4GiB, mem_bandwidth: 0.2GB/s, flops: {fp32: 2GFLOPS}}
-links: {h2d: 10GB/s, d2h: 10GB/s}
-reserve: {gpu: 1KiB, cpu: 1KiB}
-latency: {gpu_task: 1.0e-6, cpu_task: 1.0e-6, link_task: 1.0e-6}
-"""
+NODE = TINY_GPU_NODE
 PROMPT_LEN, GEN_LEN = 8, 6
 
 

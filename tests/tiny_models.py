@@ -1,0 +1,28 @@
+"""Tiny machines and MoE configs shared by the runtime tests.
+
+The GPU node makes the CPU slow (0.2 GB/s, 2 GFLOPS) so that small budgets push the planner
+into mixed plans, with near-zero fixed task costs so that tiny models' times are dominated by
+bytes and FLOPs.
+"""
+
+TINY_GPU_NODE = """
+name: tiny-gpu-node
+gpus: [{name: test gpu, memory: 1GiB, mem_bandwidth: 100GB/s, flops: {fp32: 10TFLOPS}}]
+cpu: {name: slow cpu, cores: 2, memory: 4GiB, mem_bandwidth: 0.2GB/s, flops: {fp32: 2GFLOPS}}
+links: {h2d: 10GB/s, d2h: 10GB/s}
+reserve: {gpu: 1KiB, cpu: 1KiB}
+latency: {gpu_task: 1.0e-6, cpu_task: 1.0e-6, link_task: 1.0e-6}
+"""
+
+VOCAB = 128
+
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True)),
+}
+"""Tiny Mixtral and Qwen3-MoE configs: (transformers config class, model class, kwargs)."""
