@@ -23,8 +23,8 @@ from hetplan.presets.models import MODEL_PRESETS
 from hetplan.presets.nodes import NODE_PRESETS
 from hetplan.report import format_table
 
-MAX_PARAMS = 71e9
-"""Dense presets up to the 70B class (Llama-3.1-70B has 70.6e9 parameters)."""
+MAX_PARAMS = 73e9
+"""Dense presets up to the 70B class (Llama-3.1-70B: 70.6e9 parameters, Qwen2.5-72B: 72.7e9)."""
 TARGET_S, TARGET_GAP = 2.0, 1e-4
 
 
