@@ -115,8 +115,8 @@ def _at_least_baselines(problem: Problem, dec, info):
     best, best_obj = dec, objective_s(problem, predictions(problem, build_schedule(problem, dec)))
     for name, fn in baselines.BASELINES.items():
         cand = fn(problem)
-        if memory_report(problem, cand)[0]["gpu_bytes"] > problem.gpu_budget_bytes or \
-                memory_report(problem, cand)[0]["cpu_bytes"] > problem.cpu_budget_bytes:
+        mem = memory_report(problem, cand)[0]
+        if mem["gpu_bytes"] > problem.gpu_budget_bytes or mem["cpu_bytes"] > problem.cpu_budget_bytes:
             continue
         obj = objective_s(problem, predictions(problem, build_schedule(problem, cand)))
         if obj < best_obj:
@@ -169,12 +169,15 @@ def _best_batch(spec, hw, req, strategy, arg) -> tuple[Plan, float]:
 
 def _auto_dtype(spec, hw, wl, req) -> ModelSpec:
     """Keep the checkpoint's dtype when the model fits; else the widest of q8_0, q4_k_m that does."""
+    native_bytes = None
     for dtype in (spec.weight_dtype,) + AUTO_DTYPES:
         cand = spec.with_dtypes(weight_dtype=dtype, kv_dtype=req.kv_dtype or spec.kv_dtype)
-        if _fits_at_all(build_problem(cand, hw, wl)):
+        problem = build_problem(cand, hw, wl)
+        if native_bytes is None:
+            native_bytes = sum(b.weight_bytes for b in problem.blocks)
+        if _fits_at_all(problem):
             if dtype != spec.weight_dtype:
-                req.notes.append(f"weights do not fit in {spec.weight_dtype} "
-                                 f"({format_bytes(sum(b.weight_bytes for b in build_problem(spec, hw, wl).blocks))}); "
+                req.notes.append(f"weights do not fit in {spec.weight_dtype} ({format_bytes(native_bytes)}); "
                                  f"planning {dtype} (pass --weight-dtype to choose)")
             return cand
     return spec

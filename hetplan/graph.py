@@ -93,7 +93,7 @@ def block_graph(spec: ModelSpec, wl: Workload) -> BlockGraph:
         blocks.append(Block(f"{mlp_kind}_{l}", mlp_kind, l, spec.mlp_params(l) * wb))
     blocks.append(Block("head", "head", None, spec.head_params() * wb))
 
-    qkv_bytes = (spec.q_dim + spec.kv_elems_per_token() * (1 if spec.is_mla else 1)) * act
+    qkv_bytes = (spec.q_dim + spec.kv_elems_per_token()) * act
     stages = {}
     for phase in PHASES:
         tokens = wl.batch * (wl.prompt_len if phase == "prefill" else 1)

@@ -30,7 +30,7 @@ from hetplan.routing import load_routing
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.workload import Workload
 from tiny_models import TINY_GPU_NODE
-from tiny_models import MOE_FAMILIES
+from tiny_models import MOE_FAMILIES, randomise_moe
 
 PROMPT_LEN, GEN_LEN, TOL, VOCAB = 8, 32, 1e-4, 128
 NODE = TINY_GPU_NODE
@@ -50,19 +50,6 @@ STRATEGIES = {
     "stream": ("stream", None, {("moe", "stream")}),
     "ilp-small-gpu": ("ilp", "200KiB", {("moe", "cpu"), ("attn", "on the gpu")}),
 }
-
-
-def _randomise(model) -> None:
-    """Weights ~ N(0, 0.2), norms ~ 1 + N(0, 0.1), deepseek's correction bias ~ N(0, 0.1): wide
-    enough that router choices and greedy tokens are decisive, not decided by rounding."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def _reference(model, ids: torch.Tensor) -> dict:
@@ -110,7 +97,7 @@ def family_model(request, tmp_path_factory):
     config_cls, model_cls, kw = FAMILIES[request.param]
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw)).eval()
-    _randomise(model)
+    randomise_moe(model)
     directory = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(directory)
     ids = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))

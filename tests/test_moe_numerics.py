@@ -27,7 +27,7 @@ from hetplan.runtime.moe_reference import ReferenceModel  # noqa: E402
 from hetplan.runtime.moe_weights import (block_tensors, group_by_block, moe_layer_from_tensors,  # noqa: E402
                                          weight_key)
 from hetplan.workload import Workload  # noqa: E402
-from tiny_models import MOE_FAMILIES
+from tiny_models import MOE_FAMILIES, randomise_moe
 
 VOCAB = 128
 _DEEPSEEK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -55,22 +55,6 @@ FAMILIES = {
 MLA_FAMILIES = [f for f in FAMILIES if f.startswith("deepseek")]
 
 
-def _randomise(model, seed: int = 1) -> None:
-    """Weights ~ N(0, 0.2), norms ~ 1 + N(0, 0.1), deepseek's correction bias ~ N(0, 0.1).
-
-    transformers' own init (std 0.02) leaves router scores nearly tied and logits nearly flat,
-    so which expert or token wins would hinge on rounding; wider weights make every choice
-    decisive, and a non-zero correction bias makes it matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """family -> (transformers model, ModelSpec, checkpoint dir); built once per family."""
@@ -81,7 +65,7 @@ def tiny(tmp_path_factory):
             config_cls, model_cls, kw = FAMILIES[family]
             torch.manual_seed(0)
             model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw)).eval()
-            _randomise(model)
+            randomise_moe(model)
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(path)
             built[family] = (model, load_model(str(path)), path)

@@ -5,6 +5,8 @@ into mixed plans, with near-zero fixed task costs so that tiny models' times are
 bytes and FLOPs.
 """
 
+import torch
+
 TINY_GPU_NODE = """
 name: tiny-gpu-node
 gpus: [{name: test gpu, memory: 1GiB, mem_bandwidth: 100GB/s, flops: {fp32: 10TFLOPS}}]
@@ -26,3 +28,19 @@ MOE_FAMILIES = {
         num_experts_per_tok=2, norm_topk_prob=True)),
 }
 """Tiny Mixtral and Qwen3-MoE configs: (transformers config class, model class, kwargs)."""
+
+
+def randomise_moe(model, seed: int = 1) -> None:
+    """Weights ~ N(0, 0.2), norms ~ 1 + N(0, 0.1), deepseek's correction bias ~ N(0, 0.1).
+
+    transformers' own init (std 0.02) leaves router scores nearly tied and logits nearly flat,
+    so which expert or token wins would hinge on rounding; wider weights make every choice
+    decisive, and a non-zero correction bias makes it matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
