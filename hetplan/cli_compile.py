@@ -65,17 +65,24 @@ Examples:
 @click.option("--max-nodes", default=_DEFAULTS["max_nodes"].default, show_default=True, type=int, metavar="N",
               help="ILP branch-and-bound nodes per staging depth: a deterministic limit (the same plan on "
                    "every machine); when hit, the status says node_limit with the MIP gap.")
+@click.option("--mip-gap", default=_DEFAULTS["mip_gap"].default, show_default=True, type=float, metavar="REL",
+              help="ILP relative optimality gap at which the search stops and calls the plan optimal.")
+@click.option("--routing", default=None, metavar="FILE",
+              help="Routing statistics of an MoE model (written by `hetplan exec --record-routing`): "
+                   "the hottest experts of each layer are the ones kept on the GPU. Uniform when absent. "
+                   "The plan records the statistics, so `hetplan check` recompiles without the file.")
 @click.option("--dump-lp", default=None, metavar="FILE",
               help="Also write the MILP in LP format, one file per staging depth tried "
                    "(model.lp -> model.depth1.lp, model.depth2.lp).")
 @click.option("--compare", is_flag=True,
-              help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N, stream) on "
-                   "the same model, machine and workload: TTFT, TPOT, memory, fits?, ratio.")
+              help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N, stream; for MoE "
+                   "models also cpu-moe and best n-cpu-moe:N) on the same model, machine and workload: "
+                   "TTFT, TPOT, memory, fits?, ratio.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (path, predicted, memory, solver with solve_seconds, notes"
                    "[, compare]) to stdout and nothing else there.")
 def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, weight_dtype, kv_dtype,
-            gpu_mem, cpu_mem, time_limit_s, max_nodes, dump_lp, compare, as_json):
+            gpu_mem, cpu_mem, time_limit_s, max_nodes, mip_gap, routing, dump_lp, compare, as_json):
     """Plan MODEL on a machine and write the plan.
 
     MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
@@ -84,10 +91,12 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
         raise click.BadParameter("must be a positive number of seconds", param_hint="--time-limit")
     if max_nodes <= 0:
         raise click.BadParameter("must be a positive number of nodes", param_hint="--max-nodes")
+    if not 0 <= mip_gap < 1:
+        raise click.BadParameter("must be a relative gap in [0, 1), e.g. 1e-4", param_hint="--mip-gap")
     req = CompileRequest(model=model, hw=hw, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
                          objective=objective, strategy=strategy, weight_dtype=weight_dtype,
                          kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
-                         max_nodes=max_nodes, dump_lp=dump_lp)
+                         max_nodes=max_nodes, mip_gap=mip_gap, routing=routing, dump_lp=dump_lp)
     plan, solve_s = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)

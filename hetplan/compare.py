@@ -17,6 +17,8 @@ from hetplan.problem import Problem, build_problem
 
 BASELINE_ORDER = ("all-gpu", "greedy", "ngl", "stream")
 """Baselines listed by ``--compare``; ``ngl`` is shown at its best layer count."""
+MOE_BASELINE_ORDER = ("cpu-moe", "n-cpu-moe")
+"""Listed besides for MoE models; ``n-cpu-moe`` at its best layer count."""
 
 
 @dataclass(frozen=True)
@@ -54,23 +56,30 @@ def _baseline(problem: Problem, strategy: str, arg: int | None, req: CompileRequ
     return Candidate(info["strategy"], plan, missing_bytes(plan))
 
 
-def best_ngl(problem: Problem, req: CompileRequest) -> Candidate:
-    """``ngl:N`` for the N in 0..n_layers+1 with the best objective among those that fit
-    (the largest N when none fits, which shows how far the model is from fitting)."""
+def best_count(problem: Problem, req: CompileRequest, name: str = "ngl") -> Candidate:
+    """``ngl:N`` (N in 0..n_layers+1) or ``n-cpu-moe:N`` (N in 0..n_layers) with the best
+    objective among those that fit (when none fits, the one nearest to fitting: ngl with every
+    layer, n-cpu-moe with none on the GPU)."""
+    counts = range(problem.model.n_layers + 2) if name == "ngl" else range(problem.model.n_layers + 1)
     best = None
-    for n in range(problem.model.n_layers + 2):
-        cand = _baseline(problem, "ngl", n, req)
+    for n in counts:
+        cand = _baseline(problem, name, n, req)
         if cand.fits and (best is None or score(cand.plan) < score(best.plan)):
             best = cand
-    return best or _baseline(problem, "ngl", problem.model.n_layers + 1, req)
+    return best or _baseline(problem, name, counts[-1], req)
 
 
 def compare(plan: Plan, req: CompileRequest) -> list:
-    """The chosen plan first, then each baseline of ``BASELINE_ORDER`` on the plan's problem."""
-    problem = build_problem(plan.model, plan.hardware, plan.workload)
+    """The chosen plan first, then each baseline of ``BASELINE_ORDER`` (and for MoE models
+    ``MOE_BASELINE_ORDER``) on the plan's problem."""
+    from hetplan.routing import routing_of_plan
+
+    problem = build_problem(plan.model, plan.hardware, plan.workload, routing=routing_of_plan(plan))
     rows = [Candidate(plan.solver["strategy"], plan, {} if fits(plan) else missing_bytes(plan), chosen=True)]
-    for name in BASELINE_ORDER:
-        rows.append(best_ngl(problem, req) if name == "ngl" else _baseline(problem, name, None, req))
+    names = BASELINE_ORDER + (MOE_BASELINE_ORDER if plan.model.is_moe else ())
+    for name in names:
+        rows.append(best_count(problem, req, name) if name in ("ngl", "n-cpu-moe")
+                    else _baseline(problem, name, None, req))
     return rows
 
 

@@ -8,6 +8,7 @@ diagnosis); the solving itself is in ``hetplan.solvers``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +23,9 @@ from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
 from hetplan.workload import Workload
 
-STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "stream")
+STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "stream", "cpu-moe", "n-cpu-moe")
+COUNTED = ("ngl", "n-cpu-moe")
+"""Strategies that take a layer count (``ngl:N``, ``n-cpu-moe:N``)."""
 AUTO_DTYPES = ("q8_0", "q4_k_m")
 """Tried in order when ``--weight-dtype auto`` finds the native dtype does not fit."""
 
@@ -42,14 +45,25 @@ class CompileRequest:
     cpu_mem: str | None = None
     time_limit_s: float = 120.0
     max_nodes: int = 30
+    mip_gap: float = 1e-4
+    routing: str | dict | None = None
+    """Routing statistics of an MoE model: a file path (``--routing``) or the parsed document
+    (what a plan records, so that it recompiles without the file)."""
     dump_lp: str | None = None
     notes: list = field(default_factory=list, compare=False)
     """Messages for the user (e.g. which dtype ``auto`` chose); filled while compiling."""
 
-    def cli_args(self) -> dict:
+    def cli_args(self, routing=None) -> dict:
+        """The request as a plan records it: ``routing`` (RoutingStats) replaces the path by its
+        document; keys at their default ``None`` that older plans lack are left out."""
         d = dataclasses.asdict(self)
         for k in ("notes", "dump_lp"):
             d.pop(k)
+        d.pop("routing")
+        if routing is not None:
+            d["routing"] = json.loads(routing.to_json())
+        if d["mip_gap"] == 1e-4:
+            d.pop("mip_gap")
         return d
 
 
@@ -57,9 +71,9 @@ def parse_strategy(text: str) -> tuple[str, int | None]:
     name, _, arg = text.partition(":")
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
-                           f"ilp, all-gpu, greedy, ngl[:N], stream")
-    if arg and name != "ngl":
-        raise HetplanError(f"--strategy {text}: only ngl takes an argument (ngl:N)")
+                           f"ilp, all-gpu, greedy, ngl[:N], stream, cpu-moe, n-cpu-moe[:N]")
+    if arg and name not in COUNTED:
+        raise HetplanError(f"--strategy {text}: only ngl and n-cpu-moe take an argument (ngl:N, n-cpu-moe:N)")
     if arg:
         if not arg.isdigit():
             raise HetplanError(f"--strategy {text}: N must be a non-negative integer")
@@ -76,6 +90,17 @@ def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
     return spec, hw
 
 
+def load_request_routing(req: CompileRequest, spec: ModelSpec):
+    """The request's routing statistics for ``spec`` (RoutingStats), or None."""
+    from hetplan.routing import load_routing, stats_from_dict
+
+    if req.routing is None:
+        return None
+    if isinstance(req.routing, dict):
+        return stats_from_dict(req.routing, spec, source="plan inputs.cli_args.routing")
+    return load_routing(req.routing, spec)
+
+
 def _workload(req: CompileRequest, batch: int | None = None) -> Workload:
     return Workload(batch=batch or req.batch, prompt_len=req.prompt_len, gen_len=req.gen_len,
                     objective=req.objective)
@@ -87,11 +112,13 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
 
     if strategy != "ilp":
         t0 = time.perf_counter()
-        dec = baselines.ngl(problem, arg) if strategy == "ngl" else baselines.BASELINES[strategy](problem)
+        fn = baselines.applicable(problem).get(strategy) or baselines.MOE_BASELINES[strategy]
+        dec = fn(problem, arg) if strategy in COUNTED else fn(problem)
         name = strategy if arg is None else f"{strategy}:{arg}"
         info = {"strategy": name, "status": "heuristic", "mip_gap": None, "lower_bound_s": None, "options": {}}
         return dec, info, time.perf_counter() - t0
-    opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, dump_lp=req.dump_lp)
+    opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
+                          dump_lp=req.dump_lp)
     res = ilp.solve(problem, opts)
     if res.decision is not None and res.objective_s is None:
         # No GPU: the all-CPU plan is the only placement, so it is its own bound.
@@ -113,7 +140,7 @@ def _at_least_baselines(problem: Problem, dec, info):
     from hetplan.solvers import baselines
 
     best, best_obj = dec, objective_s(problem, predictions(problem, build_schedule(problem, dec)))
-    for name, fn in baselines.BASELINES.items():
+    for name, fn in baselines.applicable(problem).items():
         cand = fn(problem)
         mem = memory_report(problem, cand)[0]
         if mem["gpu_bytes"] > problem.gpu_budget_bytes or mem["cpu_bytes"] > problem.cpu_budget_bytes:
@@ -131,31 +158,34 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, float]:
     """Compile ``req`` -> (plan, solve seconds). Raises InfeasibleError with the missing bytes."""
     strategy, arg = parse_strategy(req.strategy)
     spec, hw = load_inputs(req)
+    routing = load_request_routing(req, spec)
     if req.weight_dtype == "auto":
         spec = _auto_dtype(spec, hw, _workload(req), req)
     if req.objective == "throughput":
-        return _best_batch(spec, hw, req, strategy, arg)
-    return _compile_one(spec, hw, _workload(req), req, strategy, arg)
+        return _best_batch(spec, hw, req, strategy, arg, routing)
+    return _compile_one(spec, hw, _workload(req), req, strategy, arg, routing)
 
 
-def _compile_one(spec, hw, wl, req, strategy, arg) -> tuple[Plan, float]:
-    problem = build_problem(spec, hw, wl)
+def _compile_one(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan, float]:
+    problem = build_problem(spec, hw, wl, routing=routing)
     dec, info, secs = decide(problem, strategy, arg, req)
     if dec is None:
         raise InfeasibleError(diagnose(problem))
-    plan = make_plan(problem, dec, info, inputs={"model_source": req.model, "hw_source": req.hw,
-                                                  "cli_args": req.cli_args()})
+    inputs = {"model_source": req.model, "hw_source": req.hw, "cli_args": req.cli_args(routing)}
+    if isinstance(req.routing, str):
+        inputs["routing_source"] = req.routing
+    plan = make_plan(problem, dec, info, inputs=inputs)
     if not fits(plan):
         raise InfeasibleError(f"strategy {info['strategy']}: " + over_budget(plan))
     return plan, secs
 
 
-def _best_batch(spec, hw, req, strategy, arg) -> tuple[Plan, float]:
+def _best_batch(spec, hw, req, strategy, arg, routing=None) -> tuple[Plan, float]:
     """Throughput objective: batches 1, 2, 4, ... up to --batch; keep the most tokens/s."""
     best, total, batch = None, 0.0, 1
     while batch <= req.batch:
         try:
-            plan, secs = _compile_one(spec, hw, _workload(req, batch), req, strategy, arg)
+            plan, secs = _compile_one(spec, hw, _workload(req, batch), req, strategy, arg, routing)
         except InfeasibleError:
             break
         total += secs

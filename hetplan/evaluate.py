@@ -15,13 +15,16 @@ from hetplan.schedule import build_schedule
 def memory_report(problem: Problem, dec: Decision) -> dict:
     """Bytes per tier: resident weights, KV cache, staging slots, workspace; and the budgets.
 
-    GPU: weights of ``gpu`` blocks + KV of ``gpu`` caches + depth * largest streamed block
-    + workspace (when any block computes on the GPU). CPU: weights of ``cpu``/``stream`` blocks + KV of ``cpu`` caches + workspace."""
+    GPU: weights of ``gpu`` blocks (less their cold experts) + KV of ``gpu`` caches + depth *
+    largest streamed block + workspace (when any block computes on the GPU). CPU: weights of
+    ``cpu``/``stream`` blocks + cold experts + KV of ``cpu`` caches + workspace."""
     gpu_w = cpu_w = gpu_kv = cpu_kv = 0.0
     slot = 0.0
     for b in problem.blocks:
+        cold = cold_expert_bytes(problem, dec, b)
         if dec.weights[b.name] == "gpu":
-            gpu_w += b.weight_bytes
+            gpu_w += b.weight_bytes - cold
+            cpu_w += cold
         else:
             cpu_w += b.weight_bytes
         if any(dec.exec[ph][b.name] == "stream" for ph in PHASES):
@@ -38,6 +41,27 @@ def memory_report(problem: Problem, dec: Decision) -> dict:
     return {"gpu_bytes": sum(gpu.values()), "gpu_budget_bytes": problem.gpu_budget_bytes,
             "cpu_bytes": sum(cpu.values()), "cpu_budget_bytes": problem.cpu_budget_bytes,
             "breakdown": {"gpu": gpu, "cpu": cpu}}, slot
+
+
+def cold_expert_bytes(problem: Problem, dec: Decision, block) -> float:
+    """Bytes of the routed experts of a GPU-resident MoE block that stay in DRAM."""
+    if block.kind != "moe" or dec.weights[block.name] != "gpu" or not problem.experts:
+        return 0.0
+    x = problem.experts["decode"][block.name]
+    return (x.n_experts - dec.hot_experts(block.name, x.n_experts)) * x.expert_bytes
+
+
+def _expert_fields(problem: Problem, dec: Decision, b) -> dict:
+    """Placement fields of an MoE block: how many and which routed experts live in HBM, and the
+    bytes of those that stay in DRAM."""
+    if b.kind != "moe":
+        return {"experts_on_gpu": None}
+    if not problem.experts:
+        return {"experts_on_gpu": 0, "gpu_experts": [], "cold_expert_bytes": 0.0}
+    x = problem.experts["decode"][b.name]
+    n = dec.hot_experts(b.name, x.n_experts)
+    return {"experts_on_gpu": n, "gpu_experts": sorted(x.ranked[:n]),
+            "cold_expert_bytes": cold_expert_bytes(problem, dec, b)}
 
 
 def predictions(problem: Problem, schedule: dict) -> dict:
@@ -86,8 +110,7 @@ def make_plan(problem: Problem, dec: Decision, solver: dict, inputs: dict | None
             "block": b.name, "kind": b.kind, "layer": b.layer, "weights": dec.weights[b.name],
             "exec": {ph: dec.exec[ph][b.name] for ph in PHASES},
             "kv": dec.kv.get(b.name) if b.kind == "attn" else None,
-            "experts_on_gpu": (problem.model.n_experts if dec.weights[b.name] == "gpu" else 0)
-            if b.kind == "moe" else None,
+            **_expert_fields(problem, dec, b),
             "weight_bytes": b.weight_bytes, "kv_bytes": b.kv_bytes,
         })
     solver = dict(solver, objective_s=objective_s(problem, pred))

@@ -79,8 +79,9 @@ class BlockGraph:
         return g
 
 
-def block_graph(spec: ModelSpec, wl: Workload) -> BlockGraph:
-    """Cut ``spec`` into blocks and build the prefill and decode stage chains for ``wl``."""
+def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
+    """Cut ``spec`` into blocks and build the prefill and decode stage chains for ``wl``.
+    ``routing`` (``hetplan.routing.RoutingStats``) gives MoE layers their expert fractions."""
     wb = spec.weight_bytes_per_param
     act = cost.activation_bytes_per_elem(spec)
     kv_tok = spec.kv_bytes_per_token()
@@ -113,7 +114,8 @@ def block_graph(spec: ModelSpec, wl: Workload) -> BlockGraph:
                           tokens * spec.attn_out_dim * act),
                 ]
             elif b.kind == "moe":
-                chain.append(Stage(b.name, "moe", cost.moe_work(tokens, spec), hidden_in))
+                fr = routing.expert_fractions(l, spec) if routing is not None else None
+                chain.append(Stage(b.name, "moe", cost.moe_work(tokens, spec, fr), hidden_in))
             else:
                 chain.append(Stage(b.name, "mlp", cost.linear_work(tokens, spec.mlp_params(l), spec, "mlp"),
                                    hidden_in))

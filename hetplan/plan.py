@@ -15,6 +15,10 @@ Vocabulary (written once, here):
   ``stream`` (in pinned DRAM, copied into a GPU staging slot before use in at least one phase);
   its *exec* per phase is ``gpu``, ``cpu`` or ``stream``; an attention block's *kv* is ``gpu``
   or ``cpu`` (decode attention then runs on the CPU).
+- an MoE block's *hot* experts are the routed experts resident in HBM beside its router and
+  shared experts (the most frequently chosen first); its *cold* experts stay in DRAM and run on
+  the CPU while the GPU runs the hot ones (stages ``moe_route``, ``moe_experts``, ``moe_cold``,
+  ``moe_merge``: see ``hetplan.experts``). A block streamed or on the CPU has none hot.
 
 A plan is data: frozen dataclasses with ``to_json``/``from_json`` and a schema version.
 """
@@ -52,9 +56,18 @@ class Decision:
     depth: int = 2
     """Staging-buffer slots for streamed weights: a block's weights may be copied at most
     ``depth`` blocks ahead of use (1 = synchronous, as Accelerate's hooks do)."""
+    experts: dict = field(default_factory=dict)
+    """MoE block with weights ``gpu`` -> how many of its routed experts (the hottest) are
+    resident in HBM; the others run on the CPU. Absent: all of them."""
 
     def device(self, phase: str, block: str) -> str:
         return "cpu" if self.exec[phase][block] == "cpu" else "gpu"
+
+    def hot_experts(self, block: str, n_experts: int) -> int:
+        """GPU-resident routed experts of MoE block ``block`` (0 unless its weights are ``gpu``)."""
+        if self.weights[block] != "gpu":
+            return 0
+        return self.experts.get(block, n_experts)
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,7 @@ class Task:
     block: str
     kind: str
     """A stage kind (``embed``, ``attn_in``, ``attn_core``, ``attn_out``, ``mlp``, ``moe``,
-    ``head``) or a transfer: ``load`` (weights h2d), ``act_up``, ``act_down``, ``kv_down``."""
+    ``moe_route``, ``moe_experts``, ``moe_cold``, ``moe_merge``, ``head``) or a transfer: ``load`` (weights h2d), ``act_up``, ``act_down``, ``kv_down``."""
     duration_s: float
     start_s: float = 0.0
     end_s: float = 0.0
@@ -112,7 +125,9 @@ class Plan:
                         exec={ph: {p["block"]: p["exec"][ph] for p in self.placement}
                               for ph in ("prefill", "decode")},
                         kv={p["block"]: p["kv"] for p in self.placement if p["kv"] is not None},
-                        depth=self.staging["depth"])
+                        depth=self.staging["depth"],
+                        experts={p["block"]: p["experts_on_gpu"] for p in self.placement
+                                 if p.get("experts_on_gpu") is not None and p["weights"] == "gpu"})
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:

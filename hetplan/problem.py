@@ -7,10 +7,11 @@ budgets. Pure numbers; derived once, shared by the ILP, the baselines and the pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetplan import cost
 from hetplan.errors import HetplanError
+from hetplan.experts import expert_layer, uniform_fractions
 from hetplan.graph import PHASES, BlockGraph, Stage, block_graph, workspace_bytes
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
@@ -49,6 +50,11 @@ class Problem:
     cpu_budget_bytes: float
     gpu_workspace_bytes: float
     cpu_workspace_bytes: float
+    experts: dict = field(default_factory=dict)
+    """phase -> MoE block -> ``hetplan.experts.ExpertLayer`` (only on a node with a GPU): what
+    splitting the block's experts between HBM and DRAM costs."""
+    routing: object = None
+    """The ``hetplan.routing.RoutingStats`` the expert fractions came from, or None (uniform)."""
 
     @property
     def model(self) -> ModelSpec:
@@ -67,11 +73,12 @@ class Problem:
         return self.hw.gpu is not None
 
 
-def price(graph: BlockGraph, hw: HardwareSpec, profile=None) -> Problem:
+def price(graph: BlockGraph, hw: HardwareSpec, profile=None, routing=None) -> Problem:
     """Attach seconds to every stage and transfer of ``graph`` on ``hw``.
 
     ``profile`` (a ``hetplan.profile_table.ProfileTable``) overrides analytic compute times with
-    measured ones where it has the op."""
+    measured ones where it has the op (whole-block stages; expert splits are costed
+    analytically). ``routing`` gives MoE layers their expert fractions (uniform without)."""
     spec = graph.model
     has_gpu = hw.gpu is not None
 
@@ -97,12 +104,20 @@ def price(graph: BlockGraph, hw: HardwareSpec, profile=None) -> Problem:
     kv_down_s = {b.name: cost.d2h_seconds(wl.batch * wl.prompt_len * b.kv_bytes_per_token, hw)
                  for b in graph.blocks if b.kind == "attn"} if has_gpu else {}
     ws = workspace_bytes(spec, wl)
+    experts = {}
+    if has_gpu and spec.is_moe and spec.extra.get("source") != "onnx":
+        for phase in PHASES:
+            tokens = wl.batch * (wl.prompt_len if phase == "prefill" else 1)
+            experts[phase] = {b.name: expert_layer(spec, hw, tokens, routing.expert_fractions(b.layer, spec)
+                                                   if routing is not None else uniform_fractions(spec))
+                              for b in graph.blocks if b.kind == "moe"}
     return Problem(graph, hw, stages, load_s, kv_down_s,
                    gpu_budget_bytes=float(hw.gpu_budget_bytes()), cpu_budget_bytes=float(hw.cpu_budget_bytes()),
-                   gpu_workspace_bytes=ws if has_gpu else 0.0, cpu_workspace_bytes=ws)
+                   gpu_workspace_bytes=ws if has_gpu else 0.0, cpu_workspace_bytes=ws,
+                   experts=experts, routing=routing)
 
 
-def build_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, profile=None) -> Problem:
+def build_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, profile=None, routing=None) -> Problem:
     if wl.context_len > spec.max_positions:
         raise HetplanError(f"--prompt-len + --gen-len = {wl.context_len} exceeds the model's "
                            f"max_position_embeddings ({spec.max_positions})")
@@ -110,8 +125,8 @@ def build_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, profile=None)
         from hetplan.onnx_graph import onnx_block_graph  # only for models imported from ONNX
         graph = onnx_block_graph(spec, wl)
     else:
-        graph = block_graph(spec, wl)
+        graph = block_graph(spec, wl, routing)
     if profile is None and hw.profile:
         from hetplan.profile_table import load_profile
         profile = load_profile(hw.profile)
-    return price(graph, hw, profile)
+    return price(graph, hw, profile, routing)

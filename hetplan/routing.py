@@ -96,6 +96,12 @@ def write_routing(path: str | Path, stats: RoutingStats) -> None:
     write_atomic(path, stats.to_json())
 
 
+def routing_of_plan(plan) -> RoutingStats | None:
+    """The routing statistics a plan was compiled with (recorded in ``inputs.cli_args``)."""
+    doc = plan.inputs.get("cli_args", {}).get("routing")
+    return None if doc is None else stats_from_dict(doc, plan.model, source="plan inputs.cli_args.routing")
+
+
 def load_routing(path: str | Path, spec: ModelSpec) -> RoutingStats:
     """Read and validate a routing-statistics file for ``spec`` (see the module docstring)."""
     p = Path(path)

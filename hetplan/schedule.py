@@ -2,7 +2,8 @@
 
 One rule set, used for every strategy: which tasks exist (stages on their devices, activation
 copies where consecutive stages change device, weight loads of streamed blocks, the prompt's KV
-copied down when the cache lives in DRAM), the order of tasks on each resource, and the
+copied down when the cache lives in DRAM; an MoE block resident on the GPU split into its hot
+and cold experts, ``hetplan.experts``), the order of tasks on each resource, and the
 dependency edges. Times are the earliest start of each task given both (a longest path).
 The ILP encodes the same rules as constraints in its own code; the simulator replays the result
 independently.
@@ -29,6 +30,36 @@ def stage_device(dec: Decision, phase: str, stage) -> str:
     return dec.device(phase, stage.block)
 
 
+def split_experts(problem: Problem, dec: Decision, phase: str, stage):
+    """The ``ExpertLayer`` of an MoE stage whose block is resident on the GPU (it then runs as
+    the expert-split tasks of ``hetplan.experts``), else None."""
+    if stage.kind != "moe" or dec.weights[stage.block] != "gpu":
+        return None
+    return problem.experts.get(phase, {}).get(stage.block)
+
+
+def _split_tasks(x, n: int, block: str) -> tuple[list, list]:
+    """(tasks in queue order, their inner edges) of an MoE block with ``n`` hot experts; the
+    first task is the router, the last the one whose output the next stage reads."""
+    route = Task(id=f"moe_route/{block}", resource="gpu", block=block, kind="moe_route",
+                 duration_s=x.route_s(), flops=x.route_work()[0], bytes=x.route_work()[1])
+    hot = Task(id=f"moe_experts/{block}", resource="gpu", block=block, kind="moe_experts",
+               duration_s=x.hot_s(n), flops=x.hot_work(n)[0], bytes=x.hot_work(n)[1])
+    if n >= x.n_experts:
+        return [route, hot], [(route.id, hot.id)]
+    down = Task(id=f"act_down/moe_cold/{block}", resource="d2h_act", block=block, kind="act_down",
+                duration_s=x.down_s(n), bytes=x.down_bytes(n))
+    cold = Task(id=f"moe_cold/{block}", resource="cpu", block=block, kind="moe_cold",
+                duration_s=x.cold_s(n), flops=x.cold_work(n)[0], bytes=x.cold_work(n)[1])
+    up = Task(id=f"act_up/moe_merge/{block}", resource="h2d_act", block=block, kind="act_up",
+              duration_s=x.up_s(n), bytes=x.up_bytes(n))
+    merge = Task(id=f"moe_merge/{block}", resource="gpu", block=block, kind="moe_merge",
+                 duration_s=x.merge_s(n), bytes=x.merge_bytes(n))
+    edges = [(route.id, hot.id), (route.id, down.id), (down.id, cold.id), (cold.id, up.id),
+             (up.id, merge.id), (hot.id, merge.id)]
+    return [route, hot, down, cold, up, merge], edges
+
+
 def streamed_slots(problem: Problem, dec: Decision, phase: str) -> dict:
     """block -> staging slot, round-robin over the blocks streamed in ``phase``."""
     streamed = [b.name for b in problem.blocks if dec.exec[phase][b.name] == "stream"]
@@ -48,6 +79,22 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
         st = sc.stage
         dev = stage_device(dec, phase, st)
         w = st.work
+        split = split_experts(problem, dec, phase, st)
+        if split is not None:
+            tasks, inner = _split_tasks(split, dec.hot_experts(st.block, split.n_experts), st.block)
+            if prev_id is not None and prev_dev != "gpu":
+                x = Task(id=f"act_up/{tasks[0].id}", resource="h2d_act", block=st.block, kind="act_up",
+                         duration_s=sc.up_s, bytes=st.in_bytes)
+                acts.append(x)
+                edges += [(prev_id, x.id), (x.id, tasks[0].id)]
+            elif prev_id is not None:
+                edges.append((prev_id, tasks[0].id))
+            compute += [t for t in tasks if t.resource in ("gpu", "cpu")]
+            acts += [t for t in tasks if t.resource not in ("gpu", "cpu")]
+            edges += inner
+            first_stage[st.block], last_stage[st.block] = tasks[0].id, tasks[-1].id
+            prev_id, prev_dev = tasks[-1].id, "gpu"
+            continue
         t = Task(id=st.id, resource=dev, block=st.block, kind=st.kind,
                  duration_s=sc.gpu_s if dev == "gpu" else sc.cpu_s, bytes=w.bytes, flops=w.flops,
                  slot=slots.get(st.block) if dev == "gpu" and st.follows == "exec" else None,

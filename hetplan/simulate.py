@@ -222,14 +222,17 @@ def simulate(plan) -> SimResult:
 
 
 def _peak_bytes(plan, staging_bytes: float) -> dict:
-    """GPU: weights resident in HBM + KV caches in HBM + peak staging + GPU workspace;
-    CPU: weights in DRAM (``cpu`` and ``stream``) + KV caches in DRAM + CPU workspace."""
+    """GPU: weights resident in HBM (less an MoE block's cold experts) + KV caches in HBM + peak
+    staging + GPU workspace; CPU: weights in DRAM (``cpu`` and ``stream``, cold experts) + KV
+    caches in DRAM + CPU workspace."""
     ws = plan.memory["breakdown"]
     gpu = staging_bytes + ws["gpu"]["workspace"]
     cpu = ws["cpu"]["workspace"]
     for p in plan.placement:
         if p["weights"] == "gpu":
-            gpu += p["weight_bytes"]
+            cold = p.get("cold_expert_bytes") or 0.0   # an MoE block's experts kept in DRAM
+            gpu += p["weight_bytes"] - cold
+            cpu += cold
         else:
             cpu += p["weight_bytes"]
         if p["kv"] == "gpu":
@@ -326,6 +329,14 @@ def _check_placement(plan, sched, phase: str) -> None:
             raise PlanInvalid(f"{phase}: {t.id} reads and writes the KV cache on the "
                               f"{t.resource.upper()}, but block {t.block}'s cache lives on the "
                               f"{e['kv'].upper()}")
+        if t.kind == "moe_cold":
+            if t.resource != "cpu" or e["weights"] != "gpu" or not e.get("cold_expert_bytes"):
+                raise PlanInvalid(f"{phase}: {t.id} runs cold experts on the {t.resource.upper()}, but "
+                                  f"block {t.block} keeps no experts in DRAM beside GPU-resident weights")
+            continue
+        if t.kind in ("moe_route", "moe_experts", "moe_merge") and e["weights"] != "gpu":
+            raise PlanInvalid(f"{phase}: {t.id} is a task of an expert split, but block {t.block}'s "
+                              f"weights are {e['weights']!r}, not resident on the GPU")
         mode = e["exec"][phase]
         device = "cpu" if mode == "cpu" else "gpu"
         if t.resource != device:

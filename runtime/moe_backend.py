@@ -5,6 +5,8 @@ Extends the dense backend with two capabilities, each a function of one block's 
 - the ``moe`` stage: RMSNorm, routing (``runtime/moe.py``'s per-family rules), every routed
   expert the tokens chose, the shared experts, residual. The block is placed as a whole, so all
   its experts sit on the stage's device (resident, or in the staging slot a ``load`` filled).
+- a GPU-resident block split into ``moe_route``, ``moe_experts``, ``moe_cold`` and ``moe_merge``
+  (``runtime/moe_split.py``): the same computation with its cold experts on the CPU.
 - DeepSeek's multi-head latent attention (``runtime/mla.py``) split into the plan's three
   attention stages, weight-absorbed throughout so that the core reads no weights and can run
   beside a latent cache in DRAM with only small tensors crossing::
@@ -18,7 +20,7 @@ Extends the dense backend with two capabilities, each a function of one block's 
   elements per token). Standard attention (mixtral, qwen3_moe), dense MLPs (deepseek's first
   layers), the embedding and the head are the dense backend's.
 
-Optionally counts the experts every ``moe`` stage chooses (``recorder``, a ``RoutingRecorder``).
+Optionally counts the experts every ``moe`` or ``moe_route`` stage chooses (``recorder``, a ``RoutingRecorder``).
 Knows nothing about plans, queues or tiers.
 """
 
@@ -32,23 +34,26 @@ import torch.nn.functional as F
 
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
-from hetplan.runtime import dense_layout, moe_weights
+from hetplan.runtime import dense_layout, moe_split, moe_weights
 from hetplan.runtime.backend import StageCall, TensorSpec
 from hetplan.runtime.dense import _READS, _WRITES, DenseBackend, _rms_norm
 from hetplan.runtime.mla import (LATENT_NORM_EPS, MlaWeights, absorb_query, expand_output, latent_attention,
                                  mla_rope)
-from hetplan.runtime.moe import Expert, Router, experts_forward, route, swiglu
+from hetplan.runtime.moe import Router, experts_forward, route, swiglu
+from hetplan.runtime.moe_weights import BlockExperts, block_expert
 
 _MLA_READS = {"attn_in": ("x",), "attn_core": ("q_lat", "q_rope", "latent", "k_rope"),
               "attn_out": ("x", "o_lat")}
 _MLA_WRITES = {"attn_in": ("q_lat", "q_rope", "latent", "k_rope"), "attn_core": ("o_lat",),
                "attn_out": ("x",)}
+_MOE_READS = {"moe": ("x",), **moe_split.READS}
+_MOE_WRITES = {"moe": ("x",), **moe_split.WRITES}
 
 
 class MoeBackend(DenseBackend):
-    """Executes the dense stages plus ``moe`` stages and (deepseek) latent attention."""
+    """Executes the dense stages plus ``moe`` stages (whole or split) and (deepseek) latent attention."""
 
-    kinds = DenseBackend.kinds | {"moe"}
+    kinds = DenseBackend.kinds | frozenset(_MOE_READS)
 
     def __init__(self, spec: ModelSpec):
         if not spec.is_moe:
@@ -63,12 +68,18 @@ class MoeBackend(DenseBackend):
             self.mla_rope = None
         self._ropes = {}              # device -> Rope with its frequencies there
         self.recorder = None
-        """A ``RoutingRecorder`` counting the experts each ``moe`` stage chooses, or None."""
+        """A ``RoutingRecorder`` counting the experts each ``moe``/``moe_route`` stage chooses, or None."""
         self._record_lock = threading.Lock()
+        self._hot = {}                # (block, device) -> moe_split.HotSet of a split block's GPU part
 
     # -- the backend interface ---------------------------------------------------------------
     def block_tensors(self, block: str, kind: str, layer: int | None) -> list[TensorSpec]:
         return moe_weights.block_tensors(self.spec, kind, layer)
+
+    def expert_of(self, local: str) -> int | None:
+        """The routed expert an in-block tensor belongs to, or None: how a split block's weights
+        are divided between HBM (hot experts, everything else) and DRAM (cold experts)."""
+        return moe_weights.expert_of(local)
 
     def fused(self) -> dict[str, tuple[str, ...]]:
         """The dense groups, plus each expert's (and the shared experts') gate and up as one
@@ -80,13 +91,13 @@ class MoeBackend(DenseBackend):
         return groups
 
     def reads(self, kind: str) -> tuple[str, ...]:
-        if kind == "moe":
-            return ("x",)
+        if kind in _MOE_READS:
+            return _MOE_READS[kind]
         return (_MLA_READS if self.spec.is_mla and kind in _MLA_READS else _READS)[kind]
 
     def writes(self, kind: str) -> tuple[str, ...]:
-        if kind == "moe":
-            return ("x",)
+        if kind in _MOE_WRITES:
+            return _MOE_WRITES[kind]
         return (_MLA_WRITES if self.spec.is_mla and kind in _MLA_WRITES else _WRITES)[kind]
 
     def kv_shapes(self, batch: int, max_tokens: int) -> dict[str, tuple]:
@@ -106,14 +117,39 @@ class MoeBackend(DenseBackend):
         w, x, s = c.weights, c.inputs["x"], self.spec
         h = _rms_norm(x, w["norm"], s.norm_eps).reshape(-1, s.hidden)     # [T, D], T = B * S
         ids, weights = route(h, Router(w["router"], w.get("router_bias")), s)  # [T, k] each
-        if self.recorder is not None:
-            with self._record_lock:
-                self.recorder.record(c.layer, ids)
-        experts = {e: _expert(w, f"experts.{e}") for e in range(s.n_experts)}
+        self._record(c.layer, ids)
+        experts = BlockExperts(w, range(s.n_experts))
         y = experts_forward(h, ids, weights, experts, range(s.n_experts), s.act)
         if s.n_shared_experts:
-            y += swiglu(h, _expert(w, "shared"), s.act)
+            y += swiglu(h, block_expert(w, "shared"), s.act)
         return {"x": y.view_as(x).add_(x)}
+
+    def _moe_route(self, c: StageCall) -> dict:
+        out = moe_split.route_stage(c, self.spec, self._hot_set(c))
+        self._record(c.layer, out["ids"])
+        return out
+
+    def _moe_experts(self, c: StageCall) -> dict:
+        return moe_split.experts_stage(c, self.spec, self._hot_set(c))
+
+    def _moe_cold(self, c: StageCall) -> dict:
+        return moe_split.cold_stage(c, self.spec)
+
+    def _moe_merge(self, c: StageCall) -> dict:
+        return moe_split.merge_stage(c)
+
+    def _hot_set(self, c: StageCall) -> moe_split.HotSet:
+        """The experts the block's GPU part holds, found once per block (a block's resident
+        weights do not change during a run)."""
+        key = (c.block, c.device)
+        if key not in self._hot:
+            self._hot[key] = moe_split.HotSet.of(c.weights, self.spec.n_experts, c.device)
+        return self._hot[key]
+
+    def _record(self, l: int, ids: torch.Tensor) -> None:
+        if self.recorder is not None:
+            with self._record_lock:
+                self.recorder.record(l, ids)
 
     def _attn_in(self, c: StageCall) -> dict:
         if not self.spec.is_mla:
@@ -158,13 +194,6 @@ class MoeBackend(DenseBackend):
         w = c.weights
         o = expand_output(c.inputs["o_lat"], _kv_b(w), self.spec)            # [B, S, H * v]
         return {"x": F.linear(o, w["o"]).add_(c.inputs["x"])}
-
-
-def _expert(w, prefix: str) -> Expert:
-    """An expert over the block's weights: the fused gate/up view when laid out, else a copy."""
-    if f"{prefix}.gate_up" in w:
-        return Expert(w[f"{prefix}.gate_up"], w[f"{prefix}.down"])
-    return Expert.from_parts(w[f"{prefix}.gate"], w[f"{prefix}.up"], w[f"{prefix}.down"])
 
 
 def _kv_b(w) -> MlaWeights:

@@ -113,6 +113,43 @@ def weight_key(name: str, spec: ModelSpec) -> WeightKey | None:
     raise _unknown(name, spec)
 
 
+_LOCAL_EXPERT = re.compile(r"^experts\.(\d+)\.")
+
+
+def expert_of(local: str) -> int | None:
+    """The routed expert an in-block tensor belongs to (``experts.{e}.gate`` -> e), or None for
+    the block's other tensors (norm, router, shared experts)."""
+    m = _LOCAL_EXPERT.match(local)
+    return int(m.group(1)) if m else None
+
+
+def block_expert(tensors: Mapping, prefix: str) -> Expert:
+    """The expert ``prefix`` (``experts.{e}`` or ``shared``) over a block's in-block tensors: the
+    fused ``{prefix}.gate_up`` view when the block is laid out with one, else a concatenation."""
+    if f"{prefix}.gate_up" in tensors:
+        return Expert(tensors[f"{prefix}.gate_up"], tensors[f"{prefix}.down"])
+    return Expert.from_parts(tensors[f"{prefix}.gate"], tensors[f"{prefix}.up"], tensors[f"{prefix}.down"])
+
+
+class BlockExperts(Mapping):
+    """expert id -> ``Expert`` over a block's weights, built when looked up (a quantised block
+    dequantises only the experts its tokens chose)."""
+
+    def __init__(self, weights: Mapping, ids):
+        self._weights, self._ids = weights, tuple(ids)
+
+    def __getitem__(self, e: int):
+        if e not in self._ids:
+            raise KeyError(e)
+        return block_expert(self._weights, f"experts.{e}")
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 def _unknown(name: str, spec: ModelSpec) -> HetplanError:
     return HetplanError(f"{name}: not a tensor of a {spec.arch} model with this config; the "
                         f"checkpoint and the model's config.json disagree")

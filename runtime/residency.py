@@ -13,6 +13,10 @@ pages).
   preallocated slots, each as large as the largest streamed block, and a streamed stage computes
   with the same views laid over its slot. CPU stages of such a block use the host buffer.
 - ``cpu`` blocks: the buffer is in host memory.
+- split MoE blocks (weights ``gpu`` with cold experts, ``hetplan.experts``): two buffers, the
+  block's tensors less its cold experts' in GPU memory, the cold experts' in host memory
+  (plain, unpinned: only the CPU reads them). Stages on the GPU see the first part, the CPU's
+  ``moe_cold`` the second; which tensors belong to an expert the backend says (``expert_of``).
 - KV caches: ``[B, T, ...]`` tensors per attention block in the tier of its ``kv`` (pinned host
   memory when a GPU copies the prompt's KV into it).
 
@@ -21,7 +25,8 @@ linear weights packed, then its other tensors (fp16 embedding tables; norms and 
 compute dtype). Slots and loads move those bytes. A stage's weights are then a ``PackedView``:
 ``materialise()`` dequantises each linear, when a stage looks it up, into a preallocated buffer of the compute dtype on the
 stage's tier (one per tier, as large as the largest block's linears) and views the rest in place.
-The planner does not count these buffers; the emulated GPU's budget grows by its buffer.
+The planner does not count these buffers; the emulated GPU's budget grows by its buffer. A split
+block's parts are packed separately and dequantise into the buffer of the tier they compute on.
 
 Everything is allocated here, through ``Devices`` (which counts it); nothing during a step.
 Knows nothing about the schedule beyond which slot a block uses.
@@ -47,7 +52,7 @@ class BlockWeights:
     kind: str
     layer: int | None
     tier: str
-    """``gpu`` (resident) or ``cpu`` (host memory; streamed or CPU-computed)."""
+    """``gpu`` (resident) or ``cpu`` (host memory; streamed, CPU-computed, or cold experts)."""
     flat: torch.Tensor
     """The buffer holding every tensor of the block, in ``layout`` order."""
     layout: tuple
@@ -58,7 +63,8 @@ class BlockWeights:
 
 def check_placement(plan: Plan) -> None:
     """Refuse placements the schedule has no tasks for: execution on the GPU of weights that are
-    not resident there, streaming of resident weights, a GPU KV cache beside a CPU block."""
+    not resident there, streaming of resident weights, a GPU KV cache beside a CPU block, cold
+    experts that are not valid expert ids or that no ``moe_cold`` task computes."""
     for p in plan.placement:
         for phase in PHASES:
             ex = p["exec"][phase]
@@ -67,6 +73,32 @@ def check_placement(plan: Plan) -> None:
                 raise HetplanError(f"plan placement of block {p['block']}: weights {p['weights']}, "
                                    f"{phase} exec {ex}, kv {p['kv']} cannot be executed (no task moves "
                                    f"those weights or caches); recompile the plan with `hetplan compile`")
+        _check_experts(plan, p)
+
+
+def _check_experts(plan: Plan, p: dict) -> None:
+    hot, n_e = p.get("gpu_experts"), plan.model.n_experts
+    if p["weights"] != "gpu" or hot is None:
+        return
+    if len(set(hot)) != len(hot) or len(hot) != p.get("experts_on_gpu") or not all(0 <= e < n_e for e in hot):
+        raise HetplanError(f"plan placement of block {p['block']}: gpu_experts {hot} are not "
+                           f"experts_on_gpu = {p.get('experts_on_gpu')} distinct expert ids in 0..{n_e - 1}; "
+                           f"recompile the plan with `hetplan compile`")
+    for phase in PHASES:
+        split = any(t.kind == "moe_cold" and t.block == p["block"] for t in plan.schedule[phase].tasks)
+        if split != bool(cold_experts(p, n_e)):
+            raise HetplanError(f"plan placement of block {p['block']}: {n_e - len(hot)} experts in DRAM, "
+                               f"but the {phase} schedule {'has a' if split else 'has no'} moe_cold task for "
+                               f"the block; recompile the plan with `hetplan compile`")
+
+
+def cold_experts(p: dict, n_experts: int) -> frozenset:
+    """The routed experts of placement entry ``p`` kept in DRAM beside its GPU-resident weights;
+    empty unless ``p`` is a split MoE block."""
+    hot = p.get("gpu_experts")
+    if p["weights"] != "gpu" or hot is None:
+        return frozenset()
+    return frozenset(range(n_experts)) - frozenset(hot)
 
 
 class Residency:
@@ -79,22 +111,30 @@ class Residency:
         self.devices = devices
         self.fused = backend.fused() if hasattr(backend, "fused") else {}
         self.blocks: dict[str, BlockWeights] = {}
+        self.cold: dict[str, BlockWeights] = {}
+        """Split MoE block -> its cold experts' weights, in host memory."""
         entries = list(plan.placement)
         specs = {p["block"]: backend.block_tensors(p["block"], p["kind"], p["layer"]) for p in entries}
         self.fmt = plan.model.weight_dtype if quant.is_quantised(plan.model.weight_dtype) else None
         for p in entries:  # check every tensor before placing any
             for t in specs[p["block"]]:
                 source.check(t, None if self.fmt else dtype, f"block {p['block']}")
+        parts = {p["block"]: _split(p, specs[p["block"]], backend, plan.model.n_experts) for p in entries}
         streamed = {p["block"] for p in entries if any(p["exec"][ph] == "stream" for ph in PHASES)}
         self.buffers = {}
         if self.fmt:
-            self._allocate_buffers(entries, specs, dtype)
+            self._allocate_buffers(entries, parts, dtype)
+        place = self._place_packed if self.fmt else self._place
         for i, p in enumerate(entries):
             if progress:
                 progress("loading", i, len(entries))
             tier = "gpu" if p["weights"] == "gpu" else "cpu"
-            place = self._place_packed if self.fmt else self._place
-            self.blocks[p["block"]] = place(p, specs[p["block"]], source, dtype, tier, pinned=p["block"] in streamed)
+            main, cold = parts[p["block"]]
+            self.blocks[p["block"]] = place(p, main, source, dtype, tier, pinned=p["block"] in streamed,
+                                            what=f"weights of {p['block']}")
+            if cold:
+                self.cold[p["block"]] = place(p, cold, source, dtype, "cpu", pinned=False,
+                                              what=f"cold experts of {p['block']}")
         if progress:
             progress("loading", len(entries), len(entries))
         slot_numel = max((self.blocks[b].flat.numel() for b in streamed), default=0)
@@ -113,32 +153,37 @@ class Residency:
                 for name, shape in backend.kv_shapes(batch, max_tokens).items()}
             self.kv_tier[p["block"]] = p["kv"]
 
-    def _place(self, p, specs, source, dtype, tier: str, pinned: bool) -> BlockWeights:
+    def _place(self, p, specs, source, dtype, tier: str, pinned: bool, what: str) -> BlockWeights:
         layout, offset = [], 0
         for t in specs:
             layout.append((t.local, offset, tuple(t.shape)))
             offset += _numel(t.shape)
-        flat = self.devices.empty(tier, (offset,), dtype, f"weights of {p['block']}", pinned=pinned)
+        flat = self.devices.empty(tier, (offset,), dtype, what, pinned=pinned)
         tensors = _views(flat, layout, self.fused)
         for t in specs:
             source.fill(t, tensors[t.local])
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, tuple(layout), tensors)
 
-    def _allocate_buffers(self, entries, specs, dtype: torch.dtype) -> None:
+    def _allocate_buffers(self, entries, parts, dtype: torch.dtype) -> None:
         """One dequantisation buffer per tier that computes with quantised blocks, as large as
-        the largest such block's linear weights."""
+        the largest linear weights one block computes with there (a split block: its GPU part
+        on the GPU, its cold experts on the CPU)."""
         for tier in ("gpu", "cpu"):
-            users = [p["block"] for p in entries
-                     if any(p["exec"][ph] in ((tier, "stream") if tier == "gpu" else (tier,)) for ph in PHASES)]
-            numel = max((sum(_numel(t.shape) for t in specs[b] if quant.quantises(t.local, t.shape))
-                         for b in users), default=0)
+            computes = ("gpu", "stream") if tier == "gpu" else ("cpu",)
+            used = []
+            for p in entries:
+                main, cold = parts[p["block"]]
+                used.append((main if any(p["exec"][ph] in computes for ph in PHASES) else [])
+                            + (cold if tier == "cpu" else []))
+            numel = max((sum(_numel(t.shape) for t in specs if quant.quantises(t.local, t.shape))
+                         for specs in used), default=0)
             if numel:
                 ledger = self.devices.ledgers[tier]
                 if ledger.budget_bytes is not None:
                     ledger.budget_bytes += numel * torch.empty((), dtype=dtype).element_size()
                 self.buffers[tier] = self.devices.empty(tier, (numel,), dtype, f"{tier} dequantisation buffer")
 
-    def _place_packed(self, p, specs, source, dtype, tier: str, pinned: bool) -> BlockWeights:
+    def _place_packed(self, p, specs, source, dtype, tier: str, pinned: bool, what: str) -> BlockWeights:
         """The block as bytes: packed linears (each 16-byte aligned), then its other tensors in
         one run of ``raw_dtype`` (fp16 for an embedding block, else the compute dtype)."""
         linears = [t for t in specs if quant.quantises(t.local, t.shape)]
@@ -154,8 +199,7 @@ class Residency:
             raw_layout.append((t.local, numel, tuple(t.shape)))
             numel += _numel(t.shape)
         elem = torch.empty((), dtype=raw_dtype).element_size()
-        flat = self.devices.empty(tier, (raw_offset + numel * elem,), torch.uint8, f"weights of {p['block']}",
-                                  pinned=pinned)
+        flat = self.devices.empty(tier, (raw_offset + numel * elem,), torch.uint8, what, pinned=pinned)
         for (local, off, shape, n), t in zip(packed, linears):
             w = source.view(t, None)
             w = w.t() if local.endswith("_t") else w
@@ -170,11 +214,14 @@ class Residency:
     # -- what a task touches ------------------------------------------------------------------
     def weights(self, block: str, device: str, slot: int | None) -> dict:
         """The tensors a stage of ``block`` computes with on ``device`` (``gpu``/``cpu``):
-        resident tensors, views into staging slot ``slot``, host tensors, or none (an attention
-        core beside its KV cache, away from its block's weights, reads none)."""
+        resident tensors, views into staging slot ``slot``, host tensors, a split block's cold
+        experts (on the CPU), or none (an attention core beside its KV cache, away from its
+        block's weights, reads none)."""
         bw = self.blocks[block]
         if device == bw.tier:
             return bw.tensors
+        if device == "cpu" and block in self.cold:
+            return self.cold[block].tensors
         if slot is None or not self.slots:
             return {}
         key = (block, slot)
@@ -245,6 +292,18 @@ class Dequantised(Mapping):
 
     def __len__(self) -> int:
         return len(self._dense) + len(self._raw)
+
+
+def _split(p: dict, specs: list, backend, n_experts: int) -> tuple[list, list]:
+    """(tensors placed in the block's tier, tensors of its cold experts placed in DRAM)."""
+    cold = cold_experts(p, n_experts)
+    if not cold:
+        return list(specs), []
+    expert_of = getattr(backend, "expert_of", None)
+    if expert_of is None:
+        raise HetplanError(f"plan placement of block {p['block']}: keeps {len(cold)} experts in DRAM, but "
+                           f"the runtime's backend for this model cannot tell expert tensors apart")
+    return ([t for t in specs if expert_of(t.local) not in cold], [t for t in specs if expert_of(t.local) in cold])
 
 
 def _views(buf: torch.Tensor, layout, fused: dict) -> dict:

@@ -93,9 +93,50 @@ def stream(problem: Problem) -> Decision:
     return _decision(problem, weights, {b.name: kv_on for b in blocks if b.kind == "attn"}, depth=2)
 
 
+def cpu_moe(problem: Problem) -> Decision:
+    """llama.cpp ``--cpu-moe`` / kTransformers: every routed expert in DRAM and computed on the
+    CPU; everything else (attention, KV caches, routers, shared experts, dense layers, the
+    embedding and the head) resident on the GPU."""
+    return n_cpu_moe(problem, problem.model.n_layers)
+
+
+def n_cpu_moe(problem: Problem, n: int | None = None) -> Decision:
+    """llama.cpp ``--n-cpu-moe N``: the routed experts of the first N layers on the CPU, every
+    other weight resident on the GPU. ``n=None`` picks the smallest N that fits."""
+    _need_experts(problem, "n-cpu-moe")
+    if not problem.has_gpu:
+        return all_cpu(problem)
+    spec = problem.model
+    if n is None:
+        for k in range(spec.n_layers + 1):
+            dec = n_cpu_moe(problem, k)
+            if _gpu_bytes(problem, dec) <= problem.gpu_budget_bytes:
+                return dec
+        return n_cpu_moe(problem, spec.n_layers)
+    if n < 0:
+        raise HetplanError(f"--strategy n-cpu-moe:{n}: N must be >= 0")
+    dec = all_gpu(problem)
+    experts = {b.name: 0 if b.layer < n else spec.n_experts for b in problem.blocks if b.kind == "moe"}
+    return Decision(dec.weights, dec.exec, dec.kv, depth=dec.depth, experts=experts)
+
+
+def _need_experts(problem: Problem, name: str) -> None:
+    if not problem.model.is_moe:
+        raise HetplanError(f"--strategy {name}: model {problem.model.name!r} has no experts; "
+                           f"use ngl, greedy, stream or all-gpu")
+
+
 def _gpu_bytes(problem: Problem, dec: Decision) -> float:
     from hetplan.evaluate import memory_report
     return memory_report(problem, dec)[0]["gpu_bytes"]
 
 
 BASELINES = {"all-gpu": all_gpu, "greedy": greedy, "ngl": ngl, "stream": stream}
+"""Baselines for every model."""
+MOE_BASELINES = {"cpu-moe": cpu_moe, "n-cpu-moe": n_cpu_moe}
+"""Baselines for mixture-of-experts models only."""
+
+
+def applicable(problem: Problem) -> dict:
+    """name -> baseline function, for the baselines that apply to ``problem``'s model."""
+    return {**BASELINES, **MOE_BASELINES} if problem.model.is_moe else dict(BASELINES)

@@ -24,6 +24,7 @@ from hetplan.plan import Decision
 from hetplan.problem import Problem
 from hetplan.solvers import ilp_constraints as C
 from hetplan.solvers.ilp_constraints import MODES
+from hetplan.solvers.ilp_experts import ExpertVars
 
 MS = 1e3          # model time unit: milliseconds
 GIB = float(1 << 30)  # model memory unit
@@ -76,11 +77,14 @@ class _Model:
         for st in problem.graph.stages["decode"]:
             if st.follows == "kv":
                 self.has_core[st.block] = True
+        self.xv = ExpertVars(self.prob, problem, self.r)
+        resident = {b.name: (b.weight_bytes / GIB) * self.r[b.name] for b in blocks}
+        resident.update({b: self.xv.resident_gib(b, GIB) for b in self.xv.layers})
         # (3) constraint families on placement and memory ----------------------------------
         C.add_exec_choice(self.prob, self.r, self.s, blocks, PHASES)
         C.add_kv_beside_compute(self.prob, self.r, self.s, self.k, blocks, PHASES, self.has_core)
         C.add_slot_size(self.prob, self.s, self.sigma, blocks, PHASES, GIB)
-        C.add_memory(self.prob, self.r, self.s, self.k, self.sigma, blocks, PHASES, depth,
+        C.add_memory(self.prob, resident, self.r, self.s, self.k, self.sigma, blocks, PHASES, depth,
                      problem.gpu_budget_bytes, problem.cpu_budget_bytes,
                      problem.gpu_workspace_bytes, problem.cpu_workspace_bytes, GIB)
         for p in PHASES:
@@ -107,9 +111,16 @@ class _Model:
     def _phase_upper_bound_s(self, p) -> float:
         """No phase can take longer than every task of it back to back at its slowest."""
         pr = self.problem
-        return (sum(max(c.gpu_s, c.cpu_s) + c.up_s + c.down_s for c in pr.stages[p])
+        return (sum(self._slowest_s(p, c) + c.up_s + c.down_s for c in pr.stages[p])
                 + sum(pr.load_s.get(b.name, 0.0) for b in pr.blocks)
                 + (sum(pr.kv_down_s.values()) if p == "prefill" else 0.0))
+
+    def _slowest_s(self, p, c) -> float:
+        """A stage's longest time over its devices (and, for an MoE block, every expert split)."""
+        slowest = max(c.gpu_s, c.cpu_s)
+        if c.stage.block in self.xv.layers:
+            slowest = max(slowest, self.xv.max_split_s(p, c.stage.block))
+        return slowest
 
     def _stated(self, weighted_ms: float) -> float:
         """Objective in seconds as the workload states it (without the other phase's tie-break)."""
@@ -174,6 +185,8 @@ class _Model:
     def _min_duration(self, p, name, costs, m):
         """Least block duration in mode ``m`` over the KV choices that mode allows (a number)."""
         g = 1 if m in ("G", "S") else 0
+        if m == "G" and name in self.xv.layers:
+            return MS * self.xv.min_split_s(p, name)
         ks = (0, 1) if g and self.has_core.get(name) else ((g,) if name in self.k else (0,))
         return min(self._duration(p, name, costs, g, k) for k in ks)
 
@@ -187,7 +200,12 @@ class _Model:
         for n in names:
             g = self.r[n] + self.s.get((n, p), 0)
             k = self.k.get(n, g if n in self.k else 0)
-            E[n] = S[n] + self._duration(p, n, costs[n], g, k)
+            if n in self.xv.layers:  # resident: the expert split; else one whole-block stage
+                c, s = costs[n][0], self.s.get((n, p), 0)
+                base = MS * c.cpu_s * (1 - self.r[n] - s) + MS * c.gpu_s * s
+                E[n] = self.xv.end(p, n, S[n], base)
+            else:
+                E[n] = S[n] + self._duration(p, n, costs[n], g, k)
         # pair variables and activation copies between blocks
         pairs = list(zip(names, names[1:]))
         y, xfer = {}, {}
@@ -300,7 +318,8 @@ class _Model:
                 exec_[p][b.name] = "gpu" if weights[b.name] == "gpu" else ("stream" if streamed[p] else "cpu")
             if b.name in self.k:
                 kv[b.name] = "gpu" if on(self.k[b.name]) else "cpu"
-        return Decision(weights, exec_, kv, depth=self.depth)
+        experts = {b: self.xv.hot_count(b) for b in self.xv.layers if weights[b] == "gpu"}
+        return Decision(weights, exec_, kv, depth=self.depth, experts=experts)
 
 
 @contextlib.contextmanager

@@ -49,16 +49,19 @@ def add_kv_beside_compute(prob, r, s, k, blocks, phases, has_core_stage):
                 prob += k[b.name] >= on_gpu, f"kv_with_block_{b.name}_{p}"
 
 
-def add_memory(prob, r, s, k, slot, blocks, phases, depth, gpu_budget, cpu_budget, gpu_ws, cpu_ws, unit):
+def add_memory(prob, resident, r, s, k, slot, blocks, phases, depth, gpu_budget, cpu_budget, gpu_ws, cpu_ws,
+               unit):
     """Memory per tier (in units of ``unit`` bytes). The staging slot holds the largest streamed
     block; with size classes W_1 > W_2 > ... of streamable blocks and binaries z_c (some block of
     size >= W_c is streamed in some phase):
         s_bp <= z_c(b)      z_c >= z_(c-1)      slot = sum_c (W_c - W_(c+1)) z_c
     The GPU needs its activation workspace only when it computes at all (binary v):
         v >= r_b,  v >= s_bp
-        GPU:  sum_b W_b r_b + sum_b KV_b k_b + depth*slot + ws_gpu v <= budget_gpu
-        CPU:  sum_b W_b (1 - r_b) + sum_b KV_b (1 - k_b) + ws_cpu <= budget_cpu"""
-    gpu = pulp.lpSum((b.weight_bytes / unit) * r[b.name] for b in blocks)
+        GPU:  sum_b R_b + sum_b KV_b k_b + depth*slot + ws_gpu v <= budget_gpu
+        CPU:  sum_b (W_b - R_b) + sum_b KV_b (1 - k_b) + ws_cpu <= budget_cpu
+    where R_b, the block's resident bytes, is W_b r_b (an MoE block: its dense part r_b plus its
+    hot experts, ``ilp_experts``)."""
+    gpu = pulp.lpSum(resident[b.name] for b in blocks)
     gpu += pulp.lpSum((b.kv_bytes / unit) * k[b.name] for b in blocks if b.name in k)
     used = pulp.LpVariable("gpu_used", cat="Binary")
     for b in blocks:
@@ -67,7 +70,7 @@ def add_memory(prob, r, s, k, slot, blocks, phases, depth, gpu_budget, cpu_budge
             if (b.name, p) in s:
                 prob += used >= s[b.name, p], f"gpu_used_{b.name}_{p}"
     prob += gpu + depth * slot + (gpu_ws / unit) * used <= gpu_budget / unit, "gpu_mem"
-    cpu = pulp.lpSum((b.weight_bytes / unit) * (1 - r[b.name]) for b in blocks)
+    cpu = pulp.lpSum(b.weight_bytes / unit - resident[b.name] for b in blocks)
     cpu += pulp.lpSum((b.kv_bytes / unit) * (1 - k[b.name]) for b in blocks if b.name in k)
     prob += cpu + cpu_ws / unit <= cpu_budget / unit, "cpu_mem"
 

@@ -4,7 +4,8 @@ Tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 models (fp32, saved with `save_pr
 planned under several strategies: everything on the (emulated) GPU, llama.cpp-style `ngl` (MoE
 blocks of some layers on the GPU, of others on the CPU), FlexGen-style streaming (every
 expert of a block loaded into the staging slot), the ILP on a small GPU (attention on the GPU,
-experts in DRAM), and a hand-made plan whose KV (DeepSeek: latent) caches live in DRAM, so
+routed experts in DRAM: whole MoE blocks on the CPU, or cold experts beside GPU-resident
+blocks), and a hand-made plan whose KV (DeepSeek: latent) caches live in DRAM, so
 decode attention runs on the CPU. Every run's prefill logits at each prompt position match
 transformers' within 1e-4 and its 32 greedy tokens are transformers' `generate`'s. The routing
 statistics a run records equal the choices of transformers' routers over the same tokens,
@@ -48,7 +49,7 @@ STRATEGIES = {
     "all-gpu": ("all-gpu", None, {("moe", "gpu")}),
     "ngl": ("ngl:1", None, {("moe", "gpu"), ("moe", "cpu")}),
     "stream": ("stream", None, {("moe", "stream")}),
-    "ilp-small-gpu": ("ilp", "200KiB", {("moe", "cpu"), ("attn", "on the gpu")}),
+    "ilp-small-gpu": ("ilp", "200KiB", {("moe", "experts in dram"), ("attn", "on the gpu")}),
 }
 
 
@@ -130,10 +131,13 @@ def _dram_kv_plan(model_dir: str, node: str):
 
 
 def _tiers(plan) -> set:
-    """(block kind, tier) pairs of the plan, plus (attn, kv:cpu) for a DRAM KV cache and (kind,
-    on the gpu) for a block that computes on the GPU (resident or streamed) in both phases."""
+    """(block kind, tier) pairs of the plan, plus (attn, kv:cpu) for a DRAM KV cache, (kind,
+    on the gpu) for a block that computes on the GPU (resident or streamed) in both phases and
+    (moe, experts in dram) for an MoE block whose routed experts, all or some, run from DRAM."""
     out = {(p["kind"], p["weights"]) for p in plan.placement}
     out |= {(p["kind"], "on the gpu") for p in plan.placement if "cpu" not in p["exec"].values()}
+    out |= {("moe", "experts in dram") for p in plan.placement
+            if p["kind"] == "moe" and (p["weights"] == "cpu" or p.get("cold_expert_bytes"))}
     return out | {("attn", "kv:cpu") for p in plan.placement if p["kv"] == "cpu"}
 
 

@@ -190,6 +190,7 @@ SCENARIOS = {
                                      Workload(batch=1, prompt_len=128, gen_len=32)),
 }
 STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl:1", "stream")
+MOE_STRATEGIES = ("cpu-moe", "n-cpu-moe", "n-cpu-moe:1")
 _PLANS = {}
 
 
@@ -201,7 +202,7 @@ def plans_for(scenario: str, objective: str = "latency") -> dict:
         problem = build_problem(spec, hw, dataclasses.replace(wl, objective=objective))
         req = CompileRequest(model=scenario, hw=hw.name, objective=objective, time_limit_s=30)
         out = {}
-        for strategy in STRATEGIES:
+        for strategy in STRATEGIES + (MOE_STRATEGIES if spec.is_moe else ()):
             name, _, arg = strategy.partition(":")
             dec, info, _ = decide(problem, name, int(arg) if arg else None, req)
             out[strategy] = make_plan(problem, dec, info)
@@ -229,17 +230,37 @@ def test_plan_replays_to_its_prediction_and_runs_as_written(scenario, strategy):
             check_plan(plan)
 
 
+@pytest.mark.parametrize("strategy", MOE_STRATEGIES)
+@pytest.mark.parametrize("scenario", ["tiny-moe-tight", "tiny-mla-moe"])
+def test_moe_baselines_replay_to_their_prediction(scenario, strategy):
+    plan = plans_for(scenario)[strategy]
+    sim = simulate(plan)
+    assert sim.makespan_s["prefill"] == pytest.approx(plan.predicted["ttft_s"], rel=REL)
+    assert sim.makespan_s["decode"] == pytest.approx(plan.predicted["tpot_s"], rel=REL)
+    moe = [p for p in plan.placement if p["kind"] == "moe"]
+    if strategy == "cpu-moe":
+        assert all(p["weights"] == "gpu" and p["experts_on_gpu"] == 0 for p in moe)
+    if strategy == "n-cpu-moe:1":
+        assert [p["experts_on_gpu"] for p in moe] == [0 if p["layer"] < 1 else plan.model.n_experts for p in moe]
+    if fits(plan):
+        check_plan(plan)
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_memory_report_is_weights_kv_staging_and_workspace(scenario):
     """GPU = resident weights + GPU KV + depth * largest streamed block + workspace;
     CPU = host-resident weights + CPU KV + workspace (recomputed here from the placement)."""
     for plan in plans_for(scenario).values():
-        p, ws = plan.placement, plan.memory["breakdown"]
+        p, ws, m = plan.placement, plan.memory["breakdown"], plan.model
         slot = max((b["weight_bytes"] for b in p if "stream" in b["exec"].values()), default=0.0)
-        gpu = (sum(b["weight_bytes"] for b in p if b["weights"] == "gpu")
+        # routed experts of a GPU-resident MoE block that are not hot stay in DRAM
+        expert = 3 * m.hidden * m.moe_intermediate * m.weight_bytes_per_param
+        cold = {b["block"]: (m.n_experts - b["experts_on_gpu"]) * expert if b["kind"] == "moe" and
+                b["weights"] == "gpu" else 0.0 for b in p}
+        gpu = (sum(b["weight_bytes"] - cold[b["block"]] for b in p if b["weights"] == "gpu")
                + sum(b["kv_bytes"] for b in p if b["kv"] == "gpu")
                + plan.staging["depth"] * slot + ws["gpu"]["workspace"])
-        cpu = (sum(b["weight_bytes"] for b in p if b["weights"] != "gpu")
+        cpu = (sum(b["weight_bytes"] for b in p if b["weights"] != "gpu") + sum(cold.values())
                + sum(b["kv_bytes"] for b in p if b["kv"] == "cpu") + ws["cpu"]["workspace"])
         assert plan.memory["gpu_bytes"] == pytest.approx(gpu, rel=1e-12)
         assert plan.memory["cpu_bytes"] == pytest.approx(cpu, rel=1e-12)

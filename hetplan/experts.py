@@ -1,0 +1,213 @@
+"""Expert-level costs of an MoE layer: what the GPU part and the CPU part cost for any split.
+
+An MoE block resident on the GPU (weights ``gpu``) keeps its router, norm and shared experts in
+HBM together with its ``n`` *hot* routed experts (the most frequently chosen first, by the
+routing profile; uniform without one); the other ``E - n`` *cold* experts stay in DRAM and run on
+the CPU. In a phase its tasks are::
+
+    gpu:      moe_route ─┬─ moe_experts (shared + hot experts) ──────────── moe_merge
+    d2h_act:             └─ act_down ─ cpu: moe_cold ─ h2d_act: act_up ─┘
+
+``moe_route`` computes the norm and the router and gathers the rows of the (token, cold expert)
+pairs; only those rows cross PCIe, and only their gate-weighted outputs come back, where
+``moe_merge`` adds them into the residual. With ``n = E`` the block runs ``moe_route`` and
+``moe_experts`` only. A block streamed or computed on the CPU runs as one ``moe`` stage.
+
+Per expert ``j`` (routing fraction ``f_j`` = share of tokens that choose it, sum = top-k) and
+``T`` tokens in the phase, with every token choosing independently:
+
+    flops_j = 2 T f_j P_e            (P_e = params of one expert)
+    hit_j   = 1 - (1 - f_j)^T        (probability the batch touches expert j at all)
+    wbytes_j = hit_j W_e             (W_e = bytes of one expert's weights)
+    rows_j  = T f_j D a              (the pair rows of expert j: hidden D, activation bytes a)
+
+GPU part  = roofline(F_sh + sum_hot flops_j, B_sh + sum_hot (wbytes_j + 2 rows_j)) on the GPU
+CPU part  = roofline(sum_cold flops_j, sum_cold (wbytes_j + 2 rows_j)) on the CPU
+copies    = d2h of sum_cold (rows_j + 8 T f_j)  (rows, token index and gate),
+            h2d of sum_cold rows_j
+merge     = roofline(0, 2 T D a + sum_cold rows_j) on the GPU
+
+Every term is a sum over experts, so for a fixed ranking each is linear in the indicators of
+which experts are hot: that is what makes the MILP exact (``solvers/ilp_experts.py``).
+Pure numbers; no solver, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+from hetplan import cost
+from hetplan.dtypes import compute_dtype
+from hetplan.hardware import HardwareSpec
+from hetplan.model import ModelSpec
+
+INDEX_BYTES = 8
+"""Per (token, cold expert) pair sent down besides its row: the token index and the gate (4 + 4)."""
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A device's achievable rates: t = max(flops / flops_per_s, bytes / bytes_per_s) + latency."""
+    flops_per_s: float
+    bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.latency_s
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One MoE block's experts in rank order (hottest first), for one phase."""
+    ranked: tuple
+    """Expert ids, most frequently chosen first (ties: lower id first)."""
+    fraction: tuple
+    """Routing fraction per ranked expert (sums to top-k)."""
+    expert_bytes: float
+    """Bytes of one routed expert's weights."""
+    dense_bytes: float
+    """Bytes of the block's other weights: norm, router, shared experts."""
+    tokens: int
+    flops: tuple
+    """Per ranked expert: its FLOPs in this phase."""
+    wbytes: tuple
+    """Per ranked expert: expected weight bytes read (hit probability * expert bytes)."""
+    rows: tuple
+    """Per ranked expert: bytes of its (token, expert) pair rows."""
+    route_flops: float
+    route_bytes: float
+    shared_flops: float
+    shared_bytes: float
+    """Shared experts' weights plus the block's input and output activations."""
+    act_bytes: float
+    """T * D * a: one copy of the phase's hidden states."""
+    gpu: Roofline
+    cpu: Roofline
+    d2h: Roofline
+    h2d: Roofline
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.ranked)
+
+    # -- task work (flops, bytes) and seconds for n hot experts -----------------------------
+    def route_work(self) -> tuple[float, float]:
+        return self.route_flops, self.route_bytes
+
+    def hot_work(self, n: int) -> tuple[float, float]:
+        return (self.shared_flops + sum(self.flops[:n]),
+                self.shared_bytes + sum(self.wbytes[:n]) + 2 * sum(self.rows[:n]))
+
+    def cold_work(self, n: int) -> tuple[float, float]:
+        return sum(self.flops[n:]), sum(self.wbytes[n:]) + 2 * sum(self.rows[n:])
+
+    def down_bytes(self, n: int) -> float:
+        return sum(self.rows[n:]) + INDEX_BYTES * self.tokens * sum(self.fraction[n:])
+
+    def up_bytes(self, n: int) -> float:
+        return sum(self.rows[n:])
+
+    def merge_bytes(self, n: int) -> float:
+        return 2 * self.act_bytes + sum(self.rows[n:])
+
+    def route_s(self) -> float:
+        return self.gpu.seconds(*self.route_work())
+
+    def hot_s(self, n: int) -> float:
+        return self.gpu.seconds(*self.hot_work(n))
+
+    def cold_s(self, n: int) -> float:
+        return self.cpu.seconds(*self.cold_work(n))
+
+    def down_s(self, n: int) -> float:
+        return self.d2h.seconds(0.0, self.down_bytes(n))
+
+    def up_s(self, n: int) -> float:
+        return self.h2d.seconds(0.0, self.up_bytes(n))
+
+    def merge_s(self, n: int) -> float:
+        return self.gpu.seconds(0.0, self.merge_bytes(n))
+
+    def split_s(self, n: int) -> float:
+        """The block's duration with n hot experts: route, then the GPU part beside the CPU
+        part and its copies, then the merge (none when n = E)."""
+        if n >= self.n_experts:
+            return self.route_s() + self.hot_s(n)
+        cpu_side = self.down_s(n) + self.cold_s(n) + self.up_s(n)
+        return self.route_s() + max(self.hot_s(n), cpu_side) + self.merge_s(n)
+
+    def split_s_all(self) -> list:
+        """``split_s(n)`` for n = 0 .. E, in O(E) (prefix sums)."""
+        e = self.n_experts
+        pre = lambda v: [0.0, *accumulate(v)]  # noqa: E731
+        fl, wb, rows, fr = pre(self.flops), pre(self.wbytes), pre(self.rows), pre(self.fraction)
+        route = self.route_s()
+        out = []
+        for n in range(e + 1):
+            hot = self.gpu.seconds(self.shared_flops + fl[n], self.shared_bytes + wb[n] + 2 * rows[n])
+            if n == e:
+                out.append(route + hot)
+                continue
+            c_rows = rows[e] - rows[n]
+            cpu_side = (self.d2h.seconds(0.0, c_rows + INDEX_BYTES * self.tokens * (fr[e] - fr[n]))
+                        + self.cpu.seconds(fl[e] - fl[n], wb[e] - wb[n] + 2 * c_rows)
+                        + self.h2d.seconds(0.0, c_rows))
+            out.append(route + max(hot, cpu_side) + self.gpu.seconds(0.0, 2 * self.act_bytes + c_rows))
+        return out
+
+    def gpu_bytes(self, n: int) -> float:
+        """Resident HBM bytes of the block with n hot experts."""
+        return self.dense_bytes + n * self.expert_bytes
+
+    def classes(self) -> list[tuple[int, int]]:
+        """Runs of consecutive ranks with equal fractions: [(first rank, size)]. Experts of one
+        class are interchangeable, so the MILP counts them with one integer."""
+        out = []
+        for j, f in enumerate(self.fraction):
+            if out and self.fraction[out[-1][0]] == f:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((j, 1))
+        return out
+
+
+def rooflines(spec: ModelSpec, hw: HardwareSpec) -> dict:
+    """The achievable rates the expert costs use (same formulas as ``hetplan.cost``)."""
+    eff, lat = hw.efficiency, hw.latency_s
+    cpu_dtype = "fp32" if spec.weight_dtype == "fp32" else "bf16"
+    out = {"cpu": Roofline(hw.cpu.peak_flops(cpu_dtype) * eff["cpu_flops"], hw.cpu.mem_bytes_per_s * eff["cpu_mem"],
+                           lat["cpu_task"])}
+    if hw.gpu is not None:
+        out["gpu"] = Roofline(hw.gpu.peak_flops(compute_dtype(spec.weight_dtype)) * eff["gpu_flops"],
+                              hw.gpu.mem_bytes_per_s * eff["gpu_mem"], lat["gpu_task"])
+        out["h2d"] = Roofline(1.0, hw.h2d_bytes_per_s * eff["link"], lat["link_task"])
+        out["d2h"] = Roofline(1.0, hw.d2h_bytes_per_s * eff["link"], lat["link_task"])
+    return out
+
+
+def expert_layer(spec: ModelSpec, hw: HardwareSpec, tokens: int, fractions: tuple) -> ExpertLayer:
+    """The expert costs of one MoE layer in a phase of ``tokens`` tokens, for routing
+    ``fractions`` (per expert id; see ``hetplan.routing``). Needs a GPU on ``hw``."""
+    wb, a, d = spec.weight_bytes_per_param, cost.activation_bytes_per_elem(spec), spec.hidden
+    ranked = tuple(sorted(range(len(fractions)), key=lambda e: (-fractions[e], e)))
+    f = tuple(float(fractions[e]) for e in ranked)
+    p_e = spec.expert_params()
+    rates = rooflines(spec, hw)
+    shared_params = spec.n_shared_experts * p_e
+    return ExpertLayer(
+        ranked=ranked, fraction=f, expert_bytes=p_e * wb, dense_bytes=spec.moe_shared_params() * wb,
+        tokens=tokens,
+        flops=tuple(2.0 * tokens * x * p_e for x in f),
+        wbytes=tuple((1.0 - (1.0 - min(x, 1.0)) ** tokens) * p_e * wb for x in f),
+        rows=tuple(tokens * x * d * a for x in f),
+        route_flops=2.0 * tokens * d * spec.n_experts,
+        route_bytes=(d * spec.n_experts + d) * wb + 2.0 * tokens * d * a,
+        shared_flops=2.0 * tokens * shared_params,
+        shared_bytes=shared_params * wb + 2.0 * tokens * d * a,
+        act_bytes=tokens * d * a,
+        gpu=rates["gpu"], cpu=rates["cpu"], d2h=rates["d2h"], h2d=rates["h2d"])
+
+
+def uniform_fractions(spec: ModelSpec) -> tuple:
+    return (spec.experts_per_token / spec.n_experts,) * spec.n_experts

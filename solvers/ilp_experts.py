@@ -1,0 +1,113 @@
+"""Expert-level decisions of the placement MILP: how many routed experts of each MoE block live
+in HBM, and what the split costs in time and memory (``hetplan.experts`` states the formulas).
+
+Notation, per MoE block b (experts ranked hottest first and cut into classes of equal routing
+fraction; within a class experts are interchangeable):
+  m_bc     integer in [0, |c|]: hot experts of class c            n_b = sum_c m_bc
+  z_bc     binary: class c is all hot (a colder class may have hot experts only then):
+               m_bc >= |c| z_bc,   m_b(c+1) <= |c+1| z_bc          (z_bc = m_bc when |c| = 1)
+  q_b      binary: some expert of a GPU-resident block stays cold:
+               q_b <= r_b,   n_b + q_b <= E,   n_b >= E (r_b - q_b),   m_bc <= |c| r_b
+Every per-expert quantity (FLOPs, weight bytes read, pair rows) enters as sum_c v_c m_bc for the
+hot side and sum_c v_c (|c| r_b - m_bc) for the cold side, so both rooflines are maxima of linear
+functions and the block's end time is exact at every integral point:
+  H_bp >= MS (l_g r_b + F_sh r_b + sum_c F_c m_bc),  H_bp >= MS (l_g r_b + B_sh r_b + sum_c B_c m_bc)
+  K_bp >= MS (l_cold q_b + sum_c (dn_c + up_c + F'_c) cold_bc),  likewise with B'_c
+  E_b  >= S_b + base_bp + MS (t_route r_b + merge_bp) + H_bp   and   ... + K_bp
+where base_bp is the whole-block time in the other modes (t_cpu c_bp + t_gpu s_bp),
+l_cold = the CPU task's and both copies' latencies, and merge_bp = (l_g + 2 T D a / bw_g) q_b
++ sum_c rows_c / bw_g cold_bc. The MILP minimises, so E_b, H_bp and K_bp sit on their maxima.
+"""
+
+from __future__ import annotations
+
+import pulp
+
+from hetplan.experts import INDEX_BYTES
+
+MS = 1e3
+
+
+class ExpertVars:
+    """The expert-count variables of every MoE block and their linking constraints."""
+
+    def __init__(self, prob, problem, r):
+        self.prob, self.problem, self.r = prob, problem, r
+        self.layers = problem.experts.get("decode", {})
+        self.m, self.classes, self.cold = {}, {}, {}
+        for b, x in self.layers.items():
+            classes = x.classes()
+            self.classes[b] = classes
+            for i, (_, size) in enumerate(classes):
+                v = pulp.LpVariable(f"m_{b}_{i}", lowBound=0, upBound=size,
+                                    cat="Binary" if size == 1 else "Integer")
+                self.m[b, i] = v
+                prob += v <= size * r[b], f"hot_needs_resident_{b}_{i}"
+            for i in range(len(classes) - 1):
+                size, nxt = classes[i][1], classes[i + 1][1]
+                if size == 1:
+                    full = self.m[b, i]
+                else:
+                    full = pulp.LpVariable(f"zfull_{b}_{i}", cat="Binary")
+                    prob += self.m[b, i] >= size * full, f"class_full_{b}_{i}"
+                prob += self.m[b, i + 1] <= nxt * full, f"hottest_first_{b}_{i}"
+            q = pulp.LpVariable(f"q_cold_{b}", cat="Binary")
+            self.cold[b] = q
+            e = x.n_experts
+            n = self.n(b)
+            prob += q <= r[b], f"cold_needs_resident_{b}"
+            prob += n + q <= e, f"cold_means_fewer_{b}"
+            prob += n >= e * (r[b] - q), f"no_cold_means_all_{b}"
+
+    def n(self, b):
+        return pulp.lpSum(self.m[b, i] for i in range(len(self.classes[b])))
+
+    def resident_gib(self, b, unit: float):
+        """HBM bytes (in ``unit``) of MoE block b's weights: dense part if resident + hot experts."""
+        x = self.layers[b]
+        return (x.dense_bytes / unit) * self.r[b] + (x.expert_bytes / unit) * self.n(b)
+
+    def _cold(self, b, i):
+        return self.classes[b][i][1] * self.r[b] - self.m[b, i]
+
+    def end(self, p, b, start, base):
+        """E_b of MoE block b in phase p (a variable), given its start and its time ``base`` in
+        the whole-block modes (an affine expression in ms)."""
+        x, r, q, prob = self.problem.experts[p][b], self.r[b], self.cold[b], self.prob
+        cls = self.classes[b]
+        per = lambda vals, i: vals[cls[i][0]]  # noqa: E731 - a class's per-expert value
+        g, c = x.gpu, x.cpu
+        hot = pulp.LpVariable(f"Hot_{p}_{b}", lowBound=0)
+        prob += hot >= MS * (g.latency_s * r + (x.shared_flops / g.flops_per_s) * r + pulp.lpSum(
+            (per(x.flops, i) / g.flops_per_s) * self.m[b, i] for i in range(len(cls)))), f"hot_flops_{p}_{b}"
+        prob += hot >= MS * (g.latency_s * r + (x.shared_bytes / g.bytes_per_s) * r + pulp.lpSum(
+            ((per(x.wbytes, i) + 2 * per(x.rows, i)) / g.bytes_per_s) * self.m[b, i]
+            for i in range(len(cls)))), f"hot_bytes_{p}_{b}"
+        copies = lambda i: (per(x.rows, i) + INDEX_BYTES * x.tokens * per(x.fraction, i)) / x.d2h.bytes_per_s \
+            + per(x.rows, i) / x.h2d.bytes_per_s  # noqa: E731
+        lat = c.latency_s + x.d2h.latency_s + x.h2d.latency_s
+        coldt = pulp.LpVariable(f"Cold_{p}_{b}", lowBound=0)
+        prob += coldt >= MS * (lat * q + pulp.lpSum(
+            (copies(i) + per(x.flops, i) / c.flops_per_s) * self._cold(b, i) for i in range(len(cls)))), \
+            f"cold_flops_{p}_{b}"
+        prob += coldt >= MS * (lat * q + pulp.lpSum(
+            (copies(i) + (per(x.wbytes, i) + 2 * per(x.rows, i)) / c.bytes_per_s) * self._cold(b, i)
+            for i in range(len(cls)))), f"cold_bytes_{p}_{b}"
+        merge = (g.latency_s + 2 * x.act_bytes / g.bytes_per_s) * q + pulp.lpSum(
+            (per(x.rows, i) / g.bytes_per_s) * self._cold(b, i) for i in range(len(cls)))
+        end = pulp.LpVariable(f"E_{p}_{b}", lowBound=0)
+        fixed = start + base + MS * (x.route_s() * r + merge)
+        prob += end >= fixed + hot, f"end_gpu_side_{p}_{b}"
+        prob += end >= fixed + coldt, f"end_cpu_side_{p}_{b}"
+        return end
+
+    def min_split_s(self, p, b) -> float:
+        """Least duration of block b resident on the GPU over every expert count."""
+        return min(self.problem.experts[p][b].split_s_all())
+
+    def max_split_s(self, p, b) -> float:
+        return max(self.problem.experts[p][b].split_s_all())
+
+    def hot_count(self, b) -> int:
+        return int(round(sum((self.m[b, i].value() or 0.0) for i in range(len(self.classes[b])))))
+
