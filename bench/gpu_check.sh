@@ -7,7 +7,10 @@
 #      it: measured vs predicted TTFT and TPOT (target |error| <= 15%), and the bandwidth achieved
 #      by streamed weight loads vs a plain pinned host-to-device copy (target >= 80%);
 #   3. the same model and cap under Accelerate (device_map from max_memory {0: 9GiB}):
-#      decode tokens/s of hetplan / Accelerate (target >= 2).
+#      decode tokens/s of hetplan / Accelerate (target >= 2);
+#   4. a Mixtral-shaped model (Mixtral-8x7B's layers, 8 of them: 23 GB bf16), random weights,
+#      --gpu-mem 14GiB so that about half of the experts stay on the CPU: the ILP plan's measured
+#      vs predicted TPOT (target |error| <= 15%) and its decode tokens/s vs the cpu-moe plan's.
 # Prints what it measured; writes plan, trace and metrics under $OUT (default /tmp/hetplan-gpu-check).
 #
 # The GPU machine's image has torch, transformers, accelerate and safetensors but not PuLP and
@@ -34,7 +37,7 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0), torch.__version__)"
 
 stamp "1. numerics on CUDA"
-$PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_exec_numerics.py tests/test_runtime_scheduling.py -k cuda > "$OUT/pytest.log" 2>&1 \
+$PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_exec_numerics.py tests/test_runtime_scheduling.py tests/test_exec_moe.py tests/test_exec_moe_split.py -k cuda > "$OUT/pytest.log" 2>&1 \
   || echo "CUDA TESTS FAILED (see $OUT/pytest.log)"
 tail -3 "$OUT/pytest.log"
 
@@ -101,6 +104,21 @@ json.dump({"tpot_s": sum(gaps) / len(gaps), "modules_on_gpu": on_gpu, "modules":
           open(sys.argv[1], "w"))
 EOF
 
+stamp "4. Mixtral-shaped model, 8 layers, bf16, --gpu-mem 14GiB: ilp and cpu-moe plans"
+mkdir -p "$OUT/mixtral8"
+$PY - "$OUT/mixtral8/config.json" <<'EOF'
+import json, sys
+json.dump({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 8,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+           "max_position_embeddings": 32768, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "rope_theta": 1e6, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}, open(sys.argv[1], "w"))
+EOF
+for strategy in ilp cpu-moe; do
+  $PY -m hetplan compile "$OUT/mixtral8" --hw "$OUT/node.yaml" --weight-dtype bf16 --gpu-mem 14GiB \
+    --prompt-len 512 --gen-len 64 --strategy $strategy -o "$OUT/moe-$strategy.json"
+  $PY -m hetplan exec "$OUT/moe-$strategy.json" --weights random --json > "$OUT/moe-$strategy.exec.json"
+done
+
 stamp "summary"
 $PY - "$OUT" <<'EOF'
 import json, sys
@@ -121,5 +139,14 @@ ours = r["measured"]["decode_tokens_per_s"]
 theirs = 1 / acc["tpot_s"]
 print(f"decode tokens/s: hetplan {ours:.2f}, Accelerate {theirs:.2f} ({acc['modules_on_gpu']}/{acc['modules']} "
       f"modules on GPU): ratio {ours / theirs:.2f} (target >= 2)")
+plans = {s: json.load(open(f"{out}/moe-{s}.json")) for s in ("ilp", "cpu-moe")}
+runs = {s: json.load(open(f"{out}/moe-{s}.exec.json")) for s in ("ilp", "cpu-moe")}
+hot = sum(p["experts_on_gpu"] for p in plans["ilp"]["placement"] if p["kind"] == "moe")
+print(f"mixtral-shaped, {hot}/64 experts on the GPU under the ILP plan:")
+for s, r in runs.items():
+    print(f"  {s:8} TPOT measured {r['measured']['tpot_s'] * 1e3:.2f} ms, predicted {r['predicted']['tpot_s'] * 1e3:.2f} ms "
+          f"({r['relative_error']['tpot_s']:+.1%}, target |error| <= 15%), {r['measured']['decode_tokens_per_s']:.2f} tok/s")
+ratio = runs["ilp"]["measured"]["decode_tokens_per_s"] / runs["cpu-moe"]["measured"]["decode_tokens_per_s"]
+print(f"  decode tokens/s ilp / cpu-moe: {ratio:.2f}")
 EOF
 stamp "done"

@@ -172,8 +172,6 @@ def _compile_one(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan, 
     if dec is None:
         raise InfeasibleError(diagnose(problem))
     inputs = {"model_source": req.model, "hw_source": req.hw, "cli_args": req.cli_args(routing)}
-    if isinstance(req.routing, str):
-        inputs["routing_source"] = req.routing
     plan = make_plan(problem, dec, info, inputs=inputs)
     if not fits(plan):
         raise InfeasibleError(f"strategy {info['strategy']}: " + over_budget(plan))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetplan.dtypes import compute_dtype
+from hetplan.dtypes import QUANTISED, compute_dtype
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 
@@ -120,7 +120,8 @@ def moe_work(tokens: int, spec: ModelSpec, fractions: tuple | None = None) -> Wo
 
 
 def embed_work(tokens: int, spec: ModelSpec) -> Work:
-    """Embedding gather: reads tokens * hidden weights, no FLOPs."""
-    return Work(flops=0.0, bytes=tokens * spec.hidden * (spec.weight_bytes_per_param
-                                                        + activation_bytes_per_elem(spec)),
+    """Embedding gather: reads tokens * hidden weights (fp16 when the model is quantised: lookup
+    tables are kept unquantised), no FLOPs."""
+    wb = 2.0 if spec.weight_dtype in QUANTISED else spec.weight_bytes_per_param
+    return Work(flops=0.0, bytes=tokens * spec.hidden * (wb + activation_bytes_per_elem(spec)),
                 op="embed", tokens=tokens)

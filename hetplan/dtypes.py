@@ -21,6 +21,12 @@ BITS_PER_ELEMENT = {
     "q4_0": 4.5,
 }
 
+QUANTISED = ("int8", "int4", "q8_0", "q4_k_m", "q4_0")
+"""Dtypes stored packed; the runtime dequantises a block's linears before it computes with them."""
+DEQUANT_BYTES = {"gpu": 2, "cpu": 4}
+"""Bytes per element of the runtime's dequantisation buffer on each device (bf16 on the GPU,
+fp32 on the CPU)."""
+
 # The dtype arithmetic happens in once weights are dequantised (what the FLOP peaks are keyed by).
 COMPUTE_DTYPE = {"fp32": "fp32", "bf16": "bf16"}
 
@@ -35,6 +41,19 @@ def check_dtype(name: str, key: str) -> str:
 def bytes_per_element(name: str) -> float:
     """Bytes per stored element, scales included: q4_0 -> 0.5625."""
     return BITS_PER_ELEMENT[check_dtype(name, "dtype")] / 8.0
+
+
+def row_bytes(name: str, n: int) -> float:
+    """Bytes of one row of ``n`` values stored on its own, as a KV cache stores each token's
+    rows: unquantised n * bytes per element; quantised rows are padded to whole blocks and keep
+    their own scales (q8_0 34 B and q4_0 18 B per 32 values; int8 n + 4 and int4 ceil(n/2) + 4,
+    an fp32 scale per row; q4_k_m 156 B per 256 values)."""
+    blocks = lambda size: -(-n // size)  # noqa: E731
+    packed = {"q8_0": lambda: 34 * blocks(32), "q4_0": lambda: 18 * blocks(32), "int8": lambda: n + 4,
+              "int4": lambda: blocks(2) + 4, "q4_k_m": lambda: 156 * blocks(256)}
+    if name in packed:
+        return float(packed[name]())
+    return n * bytes_per_element(name)
 
 
 def compute_dtype(name: str) -> str:

@@ -18,6 +18,7 @@ import networkx as nx
 
 from hetplan import cost
 from hetplan.cost import Work
+from hetplan.dtypes import DEQUANT_BYTES, QUANTISED, bytes_per_element
 from hetplan.model import ModelSpec
 from hetplan.workload import Workload
 
@@ -86,7 +87,9 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     act = cost.activation_bytes_per_elem(spec)
     kv_tok = spec.kv_bytes_per_token()
     o_params = spec.attn_out_dim * spec.hidden + (spec.hidden if spec.attn_out_bias else 0)
-    blocks = [Block("embed", "embed", None, spec.embed_params() * wb, streamable=False)]
+    # Lookup tables are never quantised: a quantised model keeps them in fp16.
+    embed_wb = bytes_per_element("fp16") if spec.weight_dtype in QUANTISED else wb
+    blocks = [Block("embed", "embed", None, spec.embed_params() * embed_wb, streamable=False)]
     for l in range(spec.n_layers):
         blocks.append(Block(f"attn_{l}", "attn", l, spec.attn_params() * wb,
                             kv_bytes=wl.batch * wl.context_len * kv_tok, kv_bytes_per_token=kv_tok))
@@ -126,14 +129,36 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     return BlockGraph(spec, wl, tuple(blocks), stages)
 
 
-def workspace_bytes(spec: ModelSpec, wl: Workload) -> float:
+def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float:
     """Peak activation workspace of a forward pass on one device: the prefill's widest
     intermediate (T * max(q+k+v, 2 * mlp width, 3 * hidden) elements, T = batch * prompt),
     attention scores for one layer (batch * heads * P * P, fp32) and the logits
-    (batch * vocab, fp32)."""
+    (batch * vocab, fp32); MLA's latent-space query and output when wider; with quantised
+    weights, plus the dequantisation buffer (``dequant_buffer_elems`` at ``DEQUANT_BYTES[device]``
+    each); with a quantised KV cache, plus one layer's cache dequantised for reading."""
     act = cost.activation_bytes_per_elem(spec)
     t = wl.batch * wl.prompt_len
     width = max(spec.q_dim + spec.kv_elems_per_token(), 2 * max(spec.intermediate,
                 spec.moe_intermediate * max(1, spec.experts_per_token)), 3 * spec.hidden)
+    if spec.is_mla:  # absorbed attention: q in latent space, its rope part, and the latent output
+        width = max(width, spec.n_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim))
     scores = wl.batch * spec.n_heads * wl.prompt_len * wl.prompt_len * 4
-    return t * (width + 2 * spec.hidden) * act + scores + wl.batch * spec.vocab * 4
+    # a quantised KV cache is read through a dequantised copy of one layer's used prefix
+    kv_read = (wl.batch * wl.context_len * spec.kv_elems_per_token() * DEQUANT_BYTES[device]
+               if spec.kv_dtype in QUANTISED else 0)
+    return (t * (width + 2 * spec.hidden) * act + scores + wl.batch * spec.vocab * 4
+            + dequant_buffer_elems(spec) * DEQUANT_BYTES[device] + kv_read)
+
+
+def dequant_buffer_elems(spec: ModelSpec) -> int:
+    """Elements of the buffer a quantised block is dequantised into before it computes, on each
+    device (0 for unquantised weights): the widest block's weights, counting the routed experts
+    of an MoE layer as one expert (the runtime dequantises them one at a time into one expert's
+    room). Norms and biases are counted too, which errs on the safe side."""
+    if spec.weight_dtype not in QUANTISED:
+        return 0
+    widest = [spec.attn_params(), spec.head_params()]
+    for l in range(spec.n_layers):
+        widest.append(spec.moe_shared_params() + spec.expert_params() if spec.is_moe_layer(l)
+                      else spec.dense_mlp_params())
+    return max(widest)

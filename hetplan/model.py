@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from hetplan.canonical import rounded
-from hetplan.dtypes import bytes_per_element, check_dtype
+from hetplan.dtypes import bytes_per_element, check_dtype, row_bytes
 from hetplan.errors import HetplanError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gpt2", "mixtral", "qwen3_moe", "deepseek_v3")
@@ -187,9 +187,17 @@ class ModelSpec:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.n_kv_heads * self.head_dim
 
+    def kv_rows(self) -> tuple:
+        """Values per row of what a KV cache stores per token and layer: K and V
+        (kv_heads * head_dim each), or MLA's latent and rope key."""
+        if self.is_mla:
+            return (self.kv_lora_rank, self.qk_rope_head_dim)
+        return (self.n_kv_heads * self.head_dim,) * 2
+
     def kv_bytes_per_token(self) -> float:
-        """KV-cache bytes per token per layer, in the KV dtype."""
-        return self.kv_elems_per_token() * self.kv_bytes_per_elem
+        """KV-cache bytes per token per layer, in the KV dtype (a quantised one stores each row
+        on its own: ``dtypes.row_bytes``)."""
+        return sum(row_bytes(self.kv_dtype, n) for n in self.kv_rows())
 
     def with_dtypes(self, weight_dtype: str | None = None, kv_dtype: str | None = None) -> "ModelSpec":
         return dataclasses.replace(self, weight_dtype=weight_dtype or self.weight_dtype,

@@ -103,7 +103,7 @@ def price(graph: BlockGraph, hw: HardwareSpec, profile=None, routing=None) -> Pr
     load_s = {b.name: cost.h2d_seconds(b.weight_bytes, hw) for b in graph.blocks} if has_gpu else {}
     kv_down_s = {b.name: cost.d2h_seconds(wl.batch * wl.prompt_len * b.kv_bytes_per_token, hw)
                  for b in graph.blocks if b.kind == "attn"} if has_gpu else {}
-    ws = workspace_bytes(spec, wl)
+    ws_gpu, ws_cpu = workspace_bytes(spec, wl, "gpu"), workspace_bytes(spec, wl, "cpu")
     experts = {}
     if has_gpu and spec.is_moe and spec.extra.get("source") != "onnx":
         for phase in PHASES:
@@ -113,7 +113,7 @@ def price(graph: BlockGraph, hw: HardwareSpec, profile=None, routing=None) -> Pr
                               for b in graph.blocks if b.kind == "moe"}
     return Problem(graph, hw, stages, load_s, kv_down_s,
                    gpu_budget_bytes=float(hw.gpu_budget_bytes()), cpu_budget_bytes=float(hw.cpu_budget_bytes()),
-                   gpu_workspace_bytes=ws if has_gpu else 0.0, cpu_workspace_bytes=ws,
+                   gpu_workspace_bytes=ws_gpu if has_gpu else 0.0, cpu_workspace_bytes=ws_cpu,
                    experts=experts, routing=routing)
 
 

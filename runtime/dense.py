@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
-from hetplan.runtime import dense_layout
+from hetplan.runtime import dense_layout, kv_cache
 from hetplan.runtime.backend import DEFAULT_MAX_TOKENS, StageCall, TensorSpec
 
 _ACTS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
@@ -147,12 +147,10 @@ class DenseBackend:
         q, k, v = c.inputs["q"], c.inputs["k"], c.inputs["v"]
         start, n = c.step.start, c.step.new_tokens
         if c.kv is not None:
-            c.kv["k"][:, start:start + n].copy_(k)
-            c.kv["v"][:, start:start + n].copy_(v)
-            if start:
-                k, v = c.kv["k"][:, :start + n], c.kv["v"][:, :start + n]   # [B, T, KVH, hd]
-        if k.dtype != q.dtype:  # a KV cache stored in another dtype than the weights
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            kv_cache.write(c.kv["k"], start, k)
+            kv_cache.write(c.kv["v"], start, v)
+            if start:  # after the prompt, attend over the cache (quantised: a transient copy, kv_cache.read)
+                k, v = kv_cache.read(c.kv["k"], start + n, q.dtype), kv_cache.read(c.kv["v"], start + n, q.dtype)
         return {"o": attention(q, k, v, start, scale=1.0 if self.q_scale is not None else None)}
 
     def _attn_out(self, c: StageCall) -> dict:

@@ -86,10 +86,14 @@ class Devices:
         """The CUDA stream serving ``resource``, or None for a host-thread resource."""
         return self.streams.get(resource)
 
-    def empty(self, tier: str, shape: tuple, dtype: torch.dtype, what: str, pinned: bool = False) -> torch.Tensor:
-        """A counted allocation in ``tier`` (pinned host memory when ``pinned`` and a GPU copies it)."""
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        self.ledgers[tier].reserve(nbytes, what)
+    def empty(self, tier: str, shape: tuple, dtype: torch.dtype, what: str, pinned: bool = False,
+              charged_bytes: int | None = None) -> torch.Tensor:
+        """A counted allocation in ``tier`` (pinned host memory when ``pinned`` and a GPU copies it).
+        ``charged_bytes``: what the tier's ledger counts, when not the tensor's own size (a buffer
+        the emulated GPU holds in fp32 but a CUDA GPU in bf16)."""
+        if charged_bytes is None:
+            charged_bytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        self.ledgers[tier].reserve(charged_bytes, what)
         if tier == "cpu" and pinned and self.cuda:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         return torch.empty(shape, dtype=dtype, device=self.device(tier))

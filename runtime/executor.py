@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetplan.runtime import kv_cache
 from hetplan.runtime.backend import StageCall, Step
 from hetplan.runtime.dataflow import INPUT, Program
 from hetplan.runtime.devices import Devices
@@ -193,11 +194,9 @@ class Executor:
         elif kind == "load":
             self.residency.load(task.block, task.slot)
         elif kind == "kv_down":
-            cache, n = self.residency.kv[task.block], run.step.new_tokens
-            for key in op.reads:
-                src = inputs[key].contiguous()
-                for b in range(src.shape[0]):   # one contiguous copy per sequence
-                    cache[key[1]][b, :n].copy_(src[b], non_blocking=self.devices.cuda)
+            cache = self.residency.kv[task.block]
+            for key in op.reads:   # quantised (if the cache is) before crossing, one copy per sequence
+                kv_cache.write(cache[key[1]], run.step.start, inputs[key], non_blocking=self.devices.cuda)
         else:
             kv = None
             if kind in ("attn_core", "attn") and self.residency.kv_tier.get(task.block) == op.device:

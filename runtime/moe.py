@@ -185,7 +185,8 @@ def experts_forward(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 
     hidden: [T, D]; ids, weights: [T, k]; ``experts`` must hold every id of ``subset`` (and may
     hold only those). All tensors on one device. Returns [T, D] in hidden's dtype. One host
-    sync (the per-expert token counts), then one gather, SwiGLU and scatter-add per expert hit.
+    sync (the per-expert token counts), then one gather, SwiGLU and scatter-add per expert hit;
+    each expert is looked up only when used, and used before the next is looked up.
     """
     out = torch.zeros_like(hidden)
     k = ids.shape[1]

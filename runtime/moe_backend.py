@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
-from hetplan.runtime import dense_layout, moe_split, moe_weights
+from hetplan.runtime import dense_layout, kv_cache, moe_split, moe_weights
 from hetplan.runtime.backend import StageCall, TensorSpec
 from hetplan.runtime.dense import _READS, _WRITES, DenseBackend, _rms_norm
 from hetplan.runtime.mla import (LATENT_NORM_EPS, MlaWeights, absorb_query, expand_output, latent_attention,
@@ -180,12 +180,11 @@ class MoeBackend(DenseBackend):
         latent, k_rope = c.inputs["latent"], c.inputs["k_rope"]
         start, n = c.step.start, c.step.new_tokens
         if c.kv is not None:
-            c.kv["latent"][:, start:start + n].copy_(latent)
-            c.kv["k_rope"][:, start:start + n].copy_(k_rope)
-            if start:
-                latent, k_rope = c.kv["latent"][:, :start + n], c.kv["k_rope"][:, :start + n]   # [B, T, ...]
-        if latent.dtype != q_lat.dtype:  # a cache stored in another dtype than the weights
-            latent, k_rope = latent.to(q_lat.dtype), k_rope.to(q_lat.dtype)
+            kv_cache.write(c.kv["latent"], start, latent)
+            kv_cache.write(c.kv["k_rope"], start, k_rope)
+            if start:  # after the prompt, attend over the cache (quantised: a transient copy, kv_cache.read)
+                latent = kv_cache.read(c.kv["latent"], start + n, q_lat.dtype)
+                k_rope = kv_cache.read(c.kv["k_rope"], start + n, q_lat.dtype)
         return {"o_lat": latent_attention(q_lat, q_rope, latent, k_rope, self.spec, start)}  # [B, H, S, r]
 
     def _attn_out(self, c: StageCall) -> dict:

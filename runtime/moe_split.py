@@ -87,7 +87,7 @@ def experts_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
 
 def cold_stage(c: StageCall, spec: ModelSpec) -> dict:
     """The cold pairs arrive grouped by expert (``route_stage``), so each expert's rows are one
-    contiguous slice."""
+    contiguous slice; experts are looked up one at a time, each used before the next."""
     x, ids, gates = c.inputs["cold_x"], c.inputs["cold_ids"], c.inputs["cold_gates"]  # [P, D], [P], [P]
     y = torch.empty_like(x)
     start = 0

@@ -133,7 +133,8 @@ def block_expert(tensors: Mapping, prefix: str) -> Expert:
 
 class BlockExperts(Mapping):
     """expert id -> ``Expert`` over a block's weights, built when looked up (a quantised block
-    dequantises only the experts its tokens chose)."""
+    dequantises only the experts its tokens chose, each into one region all its experts share:
+    use an expert before looking up the next)."""
 
     def __init__(self, weights: Mapping, ids):
         self._weights, self._ids = weights, tuple(ids)

@@ -1,9 +1,10 @@
-"""Quantised weight formats: byte sizes, quantise (at load time) and dequantise (per stage).
+"""Quantised formats: byte sizes, quantise and dequantise, for weights and for KV-cache rows.
 
-Every format quantises a 2-D linear weight ``[out, in]`` flattened row by row, so a block of 32
-weights runs along the input dim (rows whose length is a multiple of 32 hold whole blocks; the
-last block of a tensor is zero-padded). A packed tensor is one flat uint8 buffer; its sections
-come widest element first (fp32, then fp16, then bytes) so each one is a valid typed view.
+Every format quantises runs of values: a 2-D linear weight ``[out, in]`` flattened row by row,
+so a block of 32 weights runs along the input dim (rows whose length is a multiple of 32 hold
+whole blocks; the last block of a tensor is zero-padded). A packed weight is one flat uint8
+buffer; its sections come widest element first (fp32, then fp16, then bytes) so each one is a
+valid typed view.
 
 - ``q8_0``: blocks of 32: fp16 scale d = max|x| / 127, int8 q = round(x / d). 34 B / 32 weights.
 - ``q4_0``: blocks of 32: fp16 scale d = max|x| / 7, q = round(x / d) in [-8, 7] stored as
@@ -16,6 +17,12 @@ come widest element first (fp32, then fp16, then bytes) so each one is a valid t
   with 4-bit q in [0, 15]. 4 + 8 * 2 + 8 + 128 = 156 B / 256 weights = 4.875 bits, 0.5% above
   the planner's 4.85 (GGUF's q4_k_m mixes 4.5-bit q4_K and 6.5625-bit q6_K tensors; this
   format is one fixed rate, not bit-compatible with GGUF).
+All scales are computed in fp32 (then rounded to their stored dtype); rounding is half to even.
+
+KV-cache rows (``quantise_rows``/``dequantise_rows``): each row (one token's values) is
+quantised on its own in the same format, zero-padded to whole blocks (int8/int4: one scale per
+row), and kept as per-row arrays ``[..., count]`` (``row_parts``: scales, then values), so rows
+can be written one token at a time. ``row_nbytes`` gives a row's bytes.
 
 Embeddings, norms and biases are not quantised (``quantises``). Knows nothing about plans,
 devices or models beyond a tensor's local name.
@@ -26,9 +33,11 @@ from __future__ import annotations
 import torch
 
 FORMATS = ("q8_0", "q4_0", "int8", "int4", "q4_k_m")
-"""Plan weight dtypes stored quantised."""
+"""Plan weight (and KV) dtypes stored quantised."""
 EMBEDDINGS = ("tok", "pos")
 """Local names of lookup tables, kept in fp16 (looked up by row, never multiplied)."""
+_BLOCKED = {"q8_0": 32, "q4_0": 32, "q4_k_m": 256}
+"""Block-wise formats -> values per (super-)block; the others scale whole rows."""
 
 
 def is_quantised(weight_dtype: str) -> bool:
@@ -60,34 +69,47 @@ def nbytes(fmt: str, shape: tuple) -> int:
     int8 out * (in + 4), int4 4 * out + ceil(n / 2), q4_k_m 156 * ceil(n / 256) (n = out * in)."""
     rows, cols = shape
     n = rows * cols
-    if fmt == "q8_0":
-        return 34 * _blocks(n, 32)
-    if fmt == "q4_0":
-        return 18 * _blocks(n, 32)
+    if fmt in _BLOCKED:
+        return row_nbytes(fmt, n)
     if fmt == "int8":
         return rows * (cols + 4)
     if fmt == "int4":
         return 4 * rows + _blocks(n, 2)
-    if fmt == "q4_k_m":
-        return 156 * _blocks(n, 256)
     raise ValueError(fmt)
 
 
-def _padded(w: torch.Tensor, size: int) -> torch.Tensor:
-    """w flattened to fp32 [blocks, size], zero-padded."""
-    flat = w.reshape(-1).float()
-    pad = _blocks(flat.numel(), size) * size - flat.numel()
-    return torch.cat((flat, flat.new_zeros(pad))).view(-1, size) if pad else flat.view(-1, size)
+def row_parts(fmt: str, n: int) -> tuple:
+    """The per-row arrays of a row of ``n`` values, ((dtype, count), ...): q8_0/q4_0 fp16 scales
+    [ceil(n / 32)] and int8 values [32 per block] / packed nibbles [16 per block]; int8/int4 an
+    fp32 scale [1] and int8 values [n] / nibbles [ceil(n / 2)]; q4_k_m per super-block an fp32
+    dmin, 8 fp16 scales, 8 uint8 mins and 128 bytes of nibbles."""
+    if fmt in ("q8_0", "q4_0"):
+        nb = _blocks(n, 32)
+        return ((torch.float16, nb), (torch.int8, 32 * nb) if fmt == "q8_0" else (torch.uint8, 16 * nb))
+    if fmt in ("int8", "int4"):
+        return ((torch.float32, 1), (torch.int8, n) if fmt == "int8" else (torch.uint8, _blocks(n, 2)))
+    if fmt == "q4_k_m":
+        s = _blocks(n, 256)
+        return ((torch.float32, s), (torch.float16, 8 * s), (torch.uint8, 8 * s), (torch.uint8, 128 * s))
+    raise ValueError(fmt)
+
+
+def row_nbytes(fmt: str, n: int) -> int:
+    """Bytes of one quantised row of ``n`` values: q8_0 34 * ceil(n / 32), q4_0 18 * ceil(n / 32),
+    int8 n + 4, int4 ceil(n / 2) + 4, q4_k_m 156 * ceil(n / 256)."""
+    return sum(count * torch.empty((), dtype=dtype).element_size() for dtype, count in row_parts(fmt, n))
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values < 16, even count -> bytes: low nibble the even element, high the odd."""
-    q = q.reshape(-1, 2).to(torch.uint8)
-    return q[:, 0] | (q[:, 1] << 4)
+    """uint8 values < 16, even count in the last dim -> bytes: low nibble the even element,
+    high the odd. [..., 2k] -> [..., k]."""
+    q = q.reshape(*q.shape[:-1], -1, 2).to(torch.uint8)
+    return q[..., 0] | (q[..., 1] << 4)
 
 
 def _unpack4(b: torch.Tensor) -> torch.Tensor:
-    return torch.stack((b & 15, b >> 4), dim=-1).reshape(-1)
+    """[..., k] bytes -> [..., 2k] nibbles."""
+    return torch.stack((b & 15, b >> 4), dim=-1).reshape(*b.shape[:-1], -1)
 
 
 def _safe(d: torch.Tensor) -> torch.Tensor:
@@ -98,35 +120,80 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
+def _symmetric(x: torch.Tensor, qmax: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., m] -> scale d [..., 1] = max|x| / qmax (in ``scale_dtype``), q [..., m] =
+    round(x / d) in [-qmax, qmax] ([-8, 7] for 4-bit), as floats."""
+    d = (x.abs().amax(dim=-1, keepdim=True) / qmax).to(scale_dtype)
+    q = torch.round(x / _safe(d.float())).clamp_(-qmax - (qmax == 7), qmax)
+    return d, q
+
+
+def quantise_rows(fmt: str, x: torch.Tensor) -> tuple:
+    """x [..., n] (any float dtype) -> the ``row_parts`` arrays, each [..., count], on x's device;
+    every row quantised on its own."""
+    lead, n = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, n).float()                                         # [M, n]
+    m = x.shape[0]
+    if fmt in _BLOCKED:
+        pad = _blocks(n, _BLOCKED[fmt]) * _BLOCKED[fmt] - n
+        x = torch.cat((x, x.new_zeros(m, pad)), dim=1) if pad else x
+    if fmt in ("q8_0", "q4_0"):
+        d, q = _symmetric(x.view(m, -1, 32), 127 if fmt == "q8_0" else 7, torch.float16)  # [M, nb, 1], [M, nb, 32]
+        vals = q.to(torch.int8) if fmt == "q8_0" else _pack4(q + 8)
+        parts = (d.view(m, -1), vals.reshape(m, -1))
+    elif fmt in ("int8", "int4"):
+        d, q = _symmetric(x, 127 if fmt == "int8" else 7, torch.float32)   # [M, 1], [M, n]
+        if fmt == "int4" and n % 2:
+            q = torch.cat((q, q.new_zeros(m, 1)), dim=1)
+        parts = (d, q.to(torch.int8) if fmt == "int8" else _pack4(q + 8))
+    elif fmt == "q4_k_m":
+        x = x.view(m, -1, 8, 32)                                         # [M, s, 8, 32]
+        mins = (-x.amin(dim=3)).clamp_(min=0)                            # [M, s, 8] mins to subtract
+        dmin = mins.amax(dim=2, keepdim=True) / 255                      # [M, s, 1] fp32
+        mq = torch.round(mins / _safe(dmin)).clamp_(0, 255)
+        mins = mq * dmin
+        d = ((x.amax(dim=3) + mins) / 15).half()                         # [M, s, 8]
+        q = torch.round((x + mins[..., None]) / _safe(d.float())[..., None]).clamp_(0, 15)
+        parts = (dmin.view(m, -1), d.view(m, -1), mq.to(torch.uint8).view(m, -1), _pack4(q.view(m, -1)))
+    else:
+        raise ValueError(fmt)
+    return tuple(p.reshape(*lead, p.shape[-1]) for p in parts)
+
+
+def dequantise_rows(fmt: str, parts: tuple, n: int) -> torch.Tensor:
+    """``quantise_rows``' arrays (each [..., count]; any leading dims, e.g. a cache's prefix)
+    -> fp32 [..., n] on their device."""
+    lead = parts[0].shape[:-1]
+    if fmt in ("q8_0", "q4_0"):
+        d, vals = parts
+        q = vals.float() if fmt == "q8_0" else _unpack4(vals).float() - 8
+        x = q.reshape(*lead, -1, 32) * d.float()[..., None]              # [..., nb, 32]
+    elif fmt in ("int8", "int4"):
+        d, vals = parts
+        q = vals.float() if fmt == "int8" else _unpack4(vals)[..., :n].float() - 8
+        x = q * d
+    elif fmt == "q4_k_m":
+        dmin, d, mq, vals = parts
+        q = _unpack4(vals).float().reshape(*lead, -1, 8, 32)            # [..., s, 8, 32]
+        x = (q * d.float().reshape(*lead, -1, 8, 1)
+             - mq.float().reshape(*lead, -1, 8, 1) * dmin.reshape(*lead, -1, 1, 1))
+    else:
+        raise ValueError(fmt)
+    return x.reshape(*lead, -1)[..., :n]
+
+
 def quantise(fmt: str, w: torch.Tensor) -> torch.Tensor:
     """w [out, in] (any float dtype) -> packed uint8 [nbytes(fmt, w.shape)] on w's device."""
-    rows, cols = w.shape
-    if fmt in ("q8_0", "q4_0"):
-        x = _padded(w, 32)                                               # [nb, 32]
-        qmax = 127 if fmt == "q8_0" else 7
-        d = (x.abs().amax(dim=1, keepdim=True) / qmax).half()
-        q = torch.round(x / _safe(d.float())).clamp_(-qmax - (fmt == "q4_0"), qmax)
-        vals = _bytes(q.to(torch.int8)) if fmt == "q8_0" else _pack4(q + 8)
-        return torch.cat((_bytes(d), vals))
-    if fmt in ("int8", "int4"):
-        x = w.float()
-        qmax = 127 if fmt == "int8" else 7
-        d = x.abs().amax(dim=1, keepdim=True) / qmax                     # [out, 1] fp32
-        q = torch.round(x / _safe(d)).clamp_(-qmax - (fmt == "int4"), qmax).reshape(-1)
-        if fmt == "int8":
-            return torch.cat((_bytes(d), _bytes(q.to(torch.int8))))
+    if fmt in _BLOCKED:  # one row over the flattened tensor: its blocks, scales first
+        return torch.cat([_bytes(p) for p in quantise_rows(fmt, w.reshape(1, -1))])
+    if fmt == "int8":
+        return torch.cat([_bytes(p) for p in quantise_rows(fmt, w)])
+    if fmt == "int4":  # per-row scales, nibbles packed over the flattened tensor
+        d, q = _symmetric(w.float(), 7, torch.float32)                   # [out, 1], [out, in]
+        q = q.reshape(-1)
         if q.numel() % 2:
             q = torch.cat((q, q.new_zeros(1)))
         return torch.cat((_bytes(d), _pack4(q + 8)))
-    if fmt == "q4_k_m":
-        x = _padded(w, 256).view(-1, 8, 32)                              # [nsb, 8, 32]
-        m = (-x.amin(dim=2)).clamp_(min=0)                               # [nsb, 8] mins to subtract
-        dmin = m.amax(dim=1, keepdim=True) / 255                         # [nsb, 1] fp32
-        mq = torch.round(m / _safe(dmin)).clamp_(0, 255)
-        m = mq * dmin
-        d = ((x.amax(dim=2) + m) / 15).half()                            # [nsb, 8]
-        q = torch.round((x + m[..., None]) / _safe(d.float())[..., None]).clamp_(0, 15)
-        return torch.cat((_bytes(dmin), _bytes(d), _bytes(mq.to(torch.uint8)), _pack4(q)))
     raise ValueError(fmt)
 
 
@@ -134,28 +201,19 @@ def dequantise(fmt: str, packed: torch.Tensor, shape: tuple, out: torch.Tensor) 
     """packed uint8 (from ``quantise``) -> ``out`` [out, in] (any float dtype, same device)."""
     rows, cols = shape
     n = rows * cols
-    if fmt in ("q8_0", "q4_0"):
-        nb = _blocks(n, 32)
-        d = packed[:2 * nb].view(torch.float16).float().view(nb, 1)
-        if fmt == "q8_0":
-            q = packed[2 * nb:].view(torch.int8).float().view(nb, 32)
-        else:
-            q = _unpack4(packed[2 * nb:]).float().view(nb, 32) - 8
-        x = (q * d).view(-1)
+    if fmt in _BLOCKED:
+        parts, offset = [], 0
+        for dtype, count in row_parts(fmt, n):
+            size = count * torch.empty((), dtype=dtype).element_size()
+            parts.append(packed[offset:offset + size].view(dtype).view(1, count))
+            offset += size
+        x = dequantise_rows(fmt, tuple(parts), n)
     elif fmt in ("int8", "int4"):
         d = packed[:4 * rows].view(torch.float32).view(rows, 1)
         if fmt == "int8":
-            q = packed[4 * rows:].view(torch.int8).float()
+            x = dequantise_rows(fmt, (d, packed[4 * rows:].view(torch.int8).view(rows, cols)), cols)
         else:
-            q = _unpack4(packed[4 * rows:]).float() - 8
-        x = (q[:n].view(rows, cols) * d).view(-1)
-    elif fmt == "q4_k_m":
-        nsb = _blocks(n, 256)
-        dmin = packed[:4 * nsb].view(torch.float32).view(nsb, 1, 1)
-        d = packed[4 * nsb:20 * nsb].view(torch.float16).float().view(nsb, 8, 1)
-        mq = packed[20 * nsb:28 * nsb].float().view(nsb, 8, 1)
-        q = _unpack4(packed[28 * nsb:]).float().view(nsb, 8, 32)
-        x = (q * d - mq * dmin).view(-1)
+            x = (_unpack4(packed[4 * rows:])[:n].float() - 8).view(rows, cols) * d
     else:
         raise ValueError(fmt)
-    return out.copy_(x[:n].view(rows, cols))
+    return out.copy_(x.reshape(rows, cols))

@@ -17,16 +17,18 @@ pages).
   block's tensors less its cold experts' in GPU memory, the cold experts' in host memory
   (plain, unpinned: only the CPU reads them). Stages on the GPU see the first part, the CPU's
   ``moe_cold`` the second; which tensors belong to an expert the backend says (``expert_of``).
-- KV caches: ``[B, T, ...]`` tensors per attention block in the tier of its ``kv`` (pinned host
-  memory when a GPU copies the prompt's KV into it).
+- KV caches: ``[B, T, ...]`` values per attention block in the tier of its ``kv`` (pinned host
+  memory when a GPU copies the prompt's KV into it), plain or quantised per token row in the
+  plan's KV dtype (``runtime/kv_cache.py``).
 
-A plan with a quantised weight dtype (``hetplan.runtime.quant``) stores each block as bytes: its
-linear weights packed, then its other tensors (fp16 embedding tables; norms and biases in the
-compute dtype). Slots and loads move those bytes. A stage's weights are then a ``PackedView``:
-``materialise()`` dequantises each linear, when a stage looks it up, into a preallocated buffer of the compute dtype on the
-stage's tier (one per tier, as large as the largest block's linears) and views the rest in place.
-The planner does not count these buffers; the emulated GPU's budget grows by its buffer. A split
-block's parts are packed separately and dequantise into the buffer of the tier they compute on.
+A plan with a quantised weight dtype (``hetplan.runtime.quant``) stores each block as bytes
+(``runtime/packed.py``); slots and loads move those bytes. A stage's weights are then a
+``PackedView`` whose linears are dequantised, when the stage looks them up, into a preallocated
+buffer of the compute dtype on the stage's tier: one per tier, as large as the largest block
+computing there needs, its routed experts counted as one (they take turns in one region). The
+planner reserves that buffer in each device's workspace; it is charged to its tier's ledger like
+any allocation. A split block's parts are packed separately and dequantise into the buffer of
+the tier they compute on.
 
 Everything is allocated here, through ``Devices`` (which counts it); nothing during a step.
 Knows nothing about the schedule beyond which slot a block uses.
@@ -34,16 +36,17 @@ Knows nothing about the schedule beyond which slot a block uses.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from hetplan.dtypes import DEQUANT_BYTES
 from hetplan.errors import HetplanError
 from hetplan.graph import PHASES
 from hetplan.plan import Plan
-from hetplan.runtime import quant
+from hetplan.runtime import kv_cache, quant
 from hetplan.runtime.devices import Devices
+from hetplan.runtime.packed import PackedView, numel, packed_layout, views
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ class BlockWeights:
     flat: torch.Tensor
     """The buffer holding every tensor of the block, in ``layout`` order."""
     layout: tuple
-    """((local name, offset in elements, shape), ...) inside ``flat`` and inside a slot."""
+    """((local name, offset in elements, shape), ...) inside ``flat`` and inside a slot (a
+    ``PackedLayout`` for a quantised block)."""
     tensors: dict
     """local name -> view into ``flat`` (a ``PackedView`` of it for a quantised block)."""
 
@@ -105,11 +109,13 @@ class Residency:
     """Every block's weights and KV cache, placed; the staging ring; loads into it."""
 
     def __init__(self, plan: Plan, backend, source, devices: Devices, dtype: torch.dtype,
-                 kv_dtype: torch.dtype, batch: int, max_tokens: int, progress=None):
-        """``dtype``: the weights' dtype, or the compute dtype of a quantised plan."""
+                 kv_dtype: torch.dtype | str, batch: int, max_tokens: int, progress=None):
+        """``dtype``: the weights' dtype, or the compute dtype of a quantised plan. ``kv_dtype``:
+        the caches' torch dtype, or a quantised format (``kv_cache.storage``)."""
         check_placement(plan)
         self.devices = devices
         self.fused = backend.fused() if hasattr(backend, "fused") else {}
+        self.expert_of = getattr(backend, "expert_of", None)
         self.blocks: dict[str, BlockWeights] = {}
         self.cold: dict[str, BlockWeights] = {}
         """Split MoE block -> its cold experts' weights, in host memory."""
@@ -148,8 +154,8 @@ class Residency:
             if p["kv"] is None:
                 continue
             self.kv[p["block"]] = {
-                name: devices.empty(p["kv"], shape, kv_dtype, f"KV cache {name} of {p['block']}",
-                                    pinned=p["block"] in kv_down).zero_()
+                name: kv_cache.allocate(devices, p["kv"], shape, kv_dtype, f"KV cache {name} of {p['block']}",
+                                        pinned=p["block"] in kv_down)
                 for name, shape in backend.kv_shapes(batch, max_tokens).items()}
             self.kv_tier[p["block"]] = p["kv"]
 
@@ -157,17 +163,22 @@ class Residency:
         layout, offset = [], 0
         for t in specs:
             layout.append((t.local, offset, tuple(t.shape)))
-            offset += _numel(t.shape)
+            offset += numel(t.shape)
         flat = self.devices.empty(tier, (offset,), dtype, what, pinned=pinned)
-        tensors = _views(flat, layout, self.fused)
+        tensors = views(flat, layout, self.fused)
         for t in specs:
             source.fill(t, tensors[t.local])
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, tuple(layout), tensors)
 
     def _allocate_buffers(self, entries, parts, dtype: torch.dtype) -> None:
-        """One dequantisation buffer per tier that computes with quantised blocks, as large as
-        the largest linear weights one block computes with there (a split block: its GPU part
-        on the GPU, its cold experts on the CPU)."""
+        """One dequantisation buffer per tier that computes with quantised blocks, as large as the
+        largest block computing there needs (``PackedLayout.buffer_numel``: a split block's GPU
+        part on the GPU, its cold experts on the CPU).
+
+        The emulated GPU's buffer is charged at ``DEQUANT_BYTES["gpu"]`` bytes per element: the
+        bf16 buffer a CUDA run allocates and the planner reserves, so that the budget checks what
+        a real GPU would hold. Emulation computes, and so dequantises, in fp32: the buffer takes
+        twice the charged bytes of host memory."""
         for tier in ("gpu", "cpu"):
             computes = ("gpu", "stream") if tier == "gpu" else ("cpu",)
             used = []
@@ -175,39 +186,26 @@ class Residency:
                 main, cold = parts[p["block"]]
                 used.append((main if any(p["exec"][ph] in computes for ph in PHASES) else [])
                             + (cold if tier == "cpu" else []))
-            numel = max((sum(_numel(t.shape) for t in specs if quant.quantises(t.local, t.shape))
-                         for specs in used), default=0)
-            if numel:
-                ledger = self.devices.ledgers[tier]
-                if ledger.budget_bytes is not None:
-                    ledger.budget_bytes += numel * torch.empty((), dtype=dtype).element_size()
-                self.buffers[tier] = self.devices.empty(tier, (numel,), dtype, f"{tier} dequantisation buffer")
+            count = max((packed_layout(self.fmt, specs, dtype, self.expert_of).buffer_numel for specs in used),
+                        default=0)
+            if count:
+                charged = count * DEQUANT_BYTES["gpu"] if tier == "gpu" and not self.devices.cuda else None
+                self.buffers[tier] = self.devices.empty(tier, (count,), dtype, f"{tier} dequantisation buffer",
+                                                        charged_bytes=charged)
 
     def _place_packed(self, p, specs, source, dtype, tier: str, pinned: bool, what: str) -> BlockWeights:
-        """The block as bytes: packed linears (each 16-byte aligned), then its other tensors in
-        one run of ``raw_dtype`` (fp16 for an embedding block, else the compute dtype)."""
+        """The block as bytes (``packed_layout``): packed linears, then its other tensors."""
+        layout = packed_layout(self.fmt, specs, dtype, self.expert_of)
+        flat = self.devices.empty(tier, (layout.nbytes,), torch.uint8, what, pinned=pinned)
         linears = [t for t in specs if quant.quantises(t.local, t.shape)]
         others = [t for t in specs if not quant.quantises(t.local, t.shape)]
-        raw_dtype = torch.float16 if others and all(t.local in quant.EMBEDDINGS for t in others) else dtype
-        packed, offset = [], 0
-        for t in linears:
-            n = quant.nbytes(self.fmt, quant.stored_shape(t.local, t.shape))
-            packed.append((t.local, offset, tuple(t.shape), n))
-            offset += -(-n // 16) * 16
-        raw_offset, raw_layout, numel = offset, [], 0
-        for t in others:
-            raw_layout.append((t.local, numel, tuple(t.shape)))
-            numel += _numel(t.shape)
-        elem = torch.empty((), dtype=raw_dtype).element_size()
-        flat = self.devices.empty(tier, (raw_offset + numel * elem,), torch.uint8, what, pinned=pinned)
-        for (local, off, shape, n), t in zip(packed, linears):
+        for (local, off, shape, n), t in zip(layout.packed, linears):
             w = source.view(t, None)
             w = w.t() if local.endswith("_t") else w
             flat[off:off + n].copy_(quant.quantise(self.fmt, w.to(flat.device)))
-        raw = flat[raw_offset:].view(raw_dtype)
-        for (local, off, shape), t in zip(raw_layout, others):
-            raw[off:off + _numel(shape)].view(shape).copy_(source.view(t, None))
-        layout = (tuple(packed), raw_offset, raw_dtype, tuple(raw_layout))
+        raw = flat[layout.raw_offset:].view(layout.raw_dtype)
+        for (local, off, shape), t in zip(layout.raw, others):
+            raw[off:off + numel(shape)].view(shape).copy_(source.view(t, None))
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, layout,
                             PackedView(self.fmt, flat, layout, self.buffers.get(tier), self.fused))
 
@@ -227,7 +225,7 @@ class Residency:
         key = (block, slot)
         if key not in self._views:
             self._views[key] = PackedView(self.fmt, self.slots[slot], bw.layout, self.buffers["gpu"], self.fused) \
-                if self.fmt else _views(self.slots[slot], bw.layout, self.fused)
+                if self.fmt else views(self.slots[slot], bw.layout, self.fused)
         return self._views[key]
 
     def load(self, block: str, slot: int) -> None:
@@ -235,63 +233,6 @@ class Residency:
         the caller is on the ``h2d`` stream)."""
         flat = self.blocks[block].flat
         self.slots[slot][:flat.numel()].copy_(flat, non_blocking=self.devices.cuda)
-
-
-@dataclass(frozen=True)
-class PackedView:
-    """A quantised block's bytes (resident, host or a staging slot) and the buffer its stages
-    dequantise into."""
-    fmt: str
-    flat: torch.Tensor
-    """uint8: packed linears, then the other tensors."""
-    layout: tuple
-    """(((local, byte offset, shape, nbytes), ...), raw byte offset, raw dtype, ((local, offset, shape), ...))."""
-    buffer: torch.Tensor | None
-    """The tier's dequantisation buffer (compute dtype)."""
-    fused: dict
-
-    def materialise(self) -> "Dequantised":
-        """The block's tensors for one stage: linears dequantised into ``buffer`` when first
-        looked up (laid back to back in block order, so fused groups stay adjacent), the rest
-        viewed in place."""
-        return Dequantised(self)
-
-
-class Dequantised(Mapping):
-    """local (or fused) name -> tensor for one stage; a linear is dequantised on first lookup."""
-
-    def __init__(self, view: PackedView):
-        packed, raw_offset, raw_dtype, raw_layout = view.layout
-        self._view, self._packed = view, {local: (off, shape, n) for local, off, shape, n in packed}
-        dense, offset = [], 0
-        for local, _, shape, _ in packed:
-            dense.append((local, offset, shape))
-            offset += _numel(shape)
-        self._dense = _views(view.buffer, dense, view.fused) if packed else {}
-        self._parts = {name: view.fused.get(name, (name,)) for name in self._dense}
-        nbytes = sum(_numel(shape) for _, _, shape in raw_layout) * torch.empty((), dtype=raw_dtype).element_size()
-        self._raw = _views(view.flat[raw_offset:raw_offset + nbytes].view(raw_dtype), raw_layout, view.fused)
-        self._done = set()
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self._raw:
-            return self._raw[name]
-        for local in self._parts[name]:
-            if local not in self._done:
-                off, shape, n = self._packed[local]
-                target = self._dense[local].t() if local.endswith("_t") else self._dense[local]
-                quant.dequantise(self._view.fmt, self._view.flat[off:off + n], quant.stored_shape(local, shape), target)
-                self._done.add(local)
-        return self._dense[name]
-
-    def __contains__(self, name) -> bool:
-        return name in self._raw or name in self._dense
-
-    def __iter__(self):
-        return iter((*self._dense, *self._raw))
-
-    def __len__(self) -> int:
-        return len(self._dense) + len(self._raw)
 
 
 def _split(p: dict, specs: list, backend, n_experts: int) -> tuple[list, list]:
@@ -304,26 +245,3 @@ def _split(p: dict, specs: list, backend, n_experts: int) -> tuple[list, list]:
         raise HetplanError(f"plan placement of block {p['block']}: keeps {len(cold)} experts in DRAM, but "
                            f"the runtime's backend for this model cannot tell expert tensors apart")
     return ([t for t in specs if expert_of(t.local) not in cold], [t for t in specs if expert_of(t.local) in cold])
-
-
-def _views(buf: torch.Tensor, layout, fused: dict) -> dict:
-    """local name -> view of ``buf``; plus, for each ``fused`` name whose parts lie back to back
-    with equal trailing dims, one view over their concatenation along the first dim."""
-    views = {name: buf[off:off + _numel(shape)].view(shape) for name, off, shape in layout}
-    where = {name: (off, shape) for name, off, shape in layout}
-    for name, parts in fused.items():
-        if not all(p in where for p in parts):
-            continue
-        spans = [where[p] for p in parts]
-        adjacent = all(off + _numel(shape) == spans[i + 1][0] for i, (off, shape) in enumerate(spans[:-1]))
-        if adjacent and len({shape[1:] for _, shape in spans}) == 1:
-            shape = (sum(s[0] for _, s in spans),) + spans[0][1][1:]
-            views[name] = buf[spans[0][0]:spans[0][0] + _numel(shape)].view(shape)
-    return views
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

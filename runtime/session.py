@@ -1,11 +1,12 @@
 """Run a plan end to end: check it, place the weights, prefill, decode, measure, compare.
 
 ``run_plan(plan, RunOptions(...))`` is what ``hetplan exec`` and the tests call. In order:
-refuse what cannot run (quantised KV caches, stage kinds its backend lacks, a GPU plan without a
-GPU unless emulated, more memory than is free now), then read the
+refuse what cannot run (a KV dtype it cannot store, stage kinds its backend lacks, a GPU plan
+without a GPU unless emulated, more memory than is free now), then read the
 prompt, place weights and KV caches (``Residency``), and run the prefill program once and the
 decode program once per further token (``Executor``), sampling after each. A plan with quantised weights
-(``hetplan.runtime.quant``) computes in bf16 on a CUDA GPU and in fp32 otherwise. TTFT is prefill to the
+(``hetplan.runtime.quant``) computes in bf16 on a CUDA GPU and in fp32 otherwise; a quantised KV
+dtype stores caches packed per token row (``hetplan.runtime.kv_cache``). TTFT is prefill to the
 first sampled token; TPOT the mean decode step; both sit next to the plan's predictions.
 
 Knows nothing about the command line; progress goes to an optional callback.
@@ -22,7 +23,7 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
 from hetplan.routing import RoutingStats
-from hetplan.runtime import quant
+from hetplan.runtime import kv_cache, quant
 from hetplan.runtime.backend import Step, backend_for
 from hetplan.runtime.dataflow import TRANSFERS, build_program
 from hetplan.runtime.devices import Devices, check_free_memory, host_available_bytes
@@ -110,7 +111,7 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     spec, wl = plan.model, plan.workload
     quantised = quant.is_quantised(spec.weight_dtype)
     dtype = None if quantised else torch_dtype(spec.weight_dtype, "--weight-dtype")
-    kv_dtype = torch_dtype(spec.kv_dtype, "--kv-dtype")
+    kv_dtype = kv_cache.storage(spec.kv_dtype)
     backend = backend_for(spec)
     kinds = {t.kind for s in plan.schedule.values() for t in s.tasks if t.kind not in TRANSFERS}
     if kinds - backend.kinds:

@@ -27,7 +27,13 @@ from hetplan.solvers.ilp_constraints import MODES
 from hetplan.solvers.ilp_experts import ExpertVars
 
 MS = 1e3          # model time unit: milliseconds
-GIB = float(1 << 30)  # model memory unit
+
+
+def memory_unit(problem: Problem) -> float:
+    """Bytes per unit of the model's memory rows: GiB, or KiB when a budget is under a GiB
+    (HiGHS accepts rows violated by up to about 1e-6 units, which must stay small beside the
+    budget)."""
+    return float(1 << 30) if min(problem.gpu_budget_bytes, problem.cpu_budget_bytes) >= 1 << 30 else 1024.0
 
 
 @dataclass(frozen=True)
@@ -36,9 +42,9 @@ class IlpOptions:
     """Staging depths tried, in order; the best plan over them wins (each later depth is cut off
     at the best objective found so far)."""
     time_limit_s: float = 120.0
-    """Wall-clock safety net per depth. A plan stopped by it may differ between machines."""
+    """Wall-clock safety net per MILP solved. A plan stopped by it may differ between machines."""
     max_nodes: int = 30
-    """Branch-and-bound nodes per depth: the deterministic limit (same plan on every machine)."""
+    """Branch-and-bound nodes per MILP solved: the deterministic limit (same plan on every machine)."""
     mip_rel_gap: float = 1e-4
     threads: int = 1
     dump_lp: str | None = None
@@ -62,31 +68,36 @@ class IlpResult:
 class _Model:
     """The MILP for one staging depth, with handles on the variables the decision is read from."""
 
-    def __init__(self, problem: Problem, depth: int, tag: str = ""):
-        self.problem, self.depth = problem, depth
+    def __init__(self, problem: Problem, depth: int, slot_bytes: float | None = None, tag: str = ""):
+        """``slot_bytes``: a fixed staging slot size (only blocks no larger are streamed; the
+        slots cost ``depth * slot_bytes`` of HBM), or None for a slot sized by the model."""
+        self.problem, self.depth, self.slot_bytes = problem, depth, slot_bytes
         blocks = problem.blocks
         self.prob = pulp.LpProblem(f"hetplan_placement_depth{depth}{tag}", pulp.LpMinimize)
         # (1) variables -------------------------------------------------------------------
         self.r = {b.name: pulp.LpVariable(f"r_{b.name}", cat="Binary") for b in blocks}
         self.s = {(b.name, p): pulp.LpVariable(f"s_{b.name}_{p}", cat="Binary")
-                  for b in blocks if b.streamable for p in PHASES}
+                  for b in blocks if b.streamable and (slot_bytes is None or b.weight_bytes <= slot_bytes)
+                  for p in PHASES}
         self.k = {b.name: pulp.LpVariable(f"k_{b.name}", cat="Binary") for b in blocks if b.kind == "attn"}
-        self.sigma = pulp.LpVariable("slot_gib", lowBound=0)
+        unit = memory_unit(problem)
+        self.sigma = pulp.LpVariable("slot_units", lowBound=0) if slot_bytes is None else slot_bytes / unit
         self.T = {p: pulp.LpVariable(f"T_{p}", lowBound=0) for p in PHASES}
         self.has_core = {b.name: False for b in blocks if b.kind == "attn"}
         for st in problem.graph.stages["decode"]:
             if st.follows == "kv":
                 self.has_core[st.block] = True
         self.xv = ExpertVars(self.prob, problem, self.r)
-        resident = {b.name: (b.weight_bytes / GIB) * self.r[b.name] for b in blocks}
-        resident.update({b: self.xv.resident_gib(b, GIB) for b in self.xv.layers})
+        resident = {b.name: (b.weight_bytes / unit) * self.r[b.name] for b in blocks}
+        resident.update({b: self.xv.resident_units(b, unit) for b in self.xv.layers})
         # (3) constraint families on placement and memory ----------------------------------
         C.add_exec_choice(self.prob, self.r, self.s, blocks, PHASES)
         C.add_kv_beside_compute(self.prob, self.r, self.s, self.k, blocks, PHASES, self.has_core)
-        C.add_slot_size(self.prob, self.s, self.sigma, blocks, PHASES, GIB)
+        if slot_bytes is None:
+            C.add_slot_size(self.prob, self.s, self.sigma, blocks, PHASES, unit)
         C.add_memory(self.prob, resident, self.r, self.s, self.k, self.sigma, blocks, PHASES, depth,
                      problem.gpu_budget_bytes, problem.cpu_budget_bytes,
-                     problem.gpu_workspace_bytes, problem.cpu_workspace_bytes, GIB)
+                     problem.gpu_workspace_bytes, problem.cpu_workspace_bytes, unit)
         for p in PHASES:
             self._timeline(p)
         # (2) objective ----------------------------------------------------------------------
@@ -364,20 +375,40 @@ _STATUS = {"Optimal": "optimal", "Time limit reached": "time_limit", "Infeasible
            "Solution limit reached": "node_limit", "Primal infeasible or unbounded": "infeasible"}
 
 
+def configurations(problem: Problem, depths) -> list:
+    """(staging depth, slot bytes or None) of every MILP solved; the best over them is the
+    optimum, and each one's bound is valid, so the least bound bounds the optimum.
+
+    Dense models: one MILP per depth, its slot sized by the model (``add_slot_size``). MoE
+    models: for each depth, one MILP per size a slot can take (the distinct sizes of streamable
+    blocks, smallest first), then one without streaming (slot 0). Every placement belongs to
+    one of these (its depth and its largest streamed block). With the slot fixed, its memory
+    stays out of the LP relaxation, where a fractionally streamed block would pay only that
+    fraction of a slot: in MoE models the HBM freed that way buys hot experts and the bound
+    is weak (DeepSeek-V3 on a 24 GB GPU: proven optimal in about 4 s this way, a 0.1% gap left
+    at the node limit the other). On dense models the many MILPs cost more than they prove
+    (bench/RESULTS.md)."""
+    if not problem.experts:
+        return [(d, None) for d in depths]
+    sizes = sorted({b.weight_bytes for b in problem.blocks if b.streamable})
+    return [(d, w) for d in depths for w in sizes] + [(1, 0.0)]
+
+
 def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
-    """Solve the MILP for every staging depth in ``opts.depths``; return the best decision, with
-    the bound and gap over all depths (the optimum over depths is >= the least depth bound)."""
+    """Solve the MILP of every configuration (``configurations``: staging depths of
+    ``opts.depths``, and for MoE models slot sizes); return the best decision, with the bound
+    and gap over all of them (the optimum is >= the least configuration bound)."""
     opts = opts or IlpOptions()
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
         return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
     results = []
-    for depth in opts.depths:
-        dump = f"{opts.dump_lp.removesuffix('.lp')}.depth{depth}.lp" if opts.dump_lp and len(opts.depths) > 1 \
-            else opts.dump_lp
+    for depth, slot in configurations(problem, opts.depths):
+        tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
+        dump = f"{opts.dump_lp.removesuffix('.lp')}{tag}.lp" if opts.dump_lp else None
         found = [r.objective_s for r in results if r.decision is not None]
-        res = _Model(problem, depth).solve(IlpOptions(**{**opts.__dict__, "dump_lp": dump}),
-                                           cutoff_s=min(found) if found else None)
+        res = _Model(problem, depth, slot).solve(IlpOptions(**{**opts.__dict__, "dump_lp": dump}),
+                                                 cutoff_s=min(found) if found else None)
         if res.decision is None and found and res.status in ("infeasible", "objective_bound"):
             # nothing better than the cutoff exists at this depth: the cutoff is its bound
             res = IlpResult(None, "optimal", 0.0, float("inf"), min(found), res.solve_seconds,
@@ -394,8 +425,9 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
                          results[0].n_binaries, results[0].n_constraints)
     best = min(feasible, key=lambda r: r.objective_s)
     gap = _gap(best.objective_s, bound)
-    proven = all(r.status in ("optimal", "infeasible", "objective_bound") for r in results)
-    status = "optimal" if proven and gap <= opts.mip_rel_gap * (1 + 1e-9) else \
+    # Every configuration's bound is valid whether or not its search finished, so the least
+    # of them bounds the optimum: within the gap tolerance of it, the plan is proven optimal.
+    status = "optimal" if gap <= opts.mip_rel_gap * (1 + 1e-9) else \
         next((r.status for r in results if r.status not in ("optimal", "infeasible", "objective_bound")),
              "optimal")
     return IlpResult(best.decision, status, gap, best.objective_s, bound, total, best.n_binaries, best.n_constraints)

@@ -62,7 +62,7 @@ class ExpertVars:
     def n(self, b):
         return pulp.lpSum(self.m[b, i] for i in range(len(self.classes[b])))
 
-    def resident_gib(self, b, unit: float):
+    def resident_units(self, b, unit: float):
         """HBM bytes (in ``unit``) of MoE block b's weights: dense part if resident + hot experts."""
         x = self.layers[b]
         return (x.dense_bytes / unit) * self.r[b] + (x.expert_bytes / unit) * self.n(b)

@@ -154,9 +154,10 @@ def test_text_prompt_without_a_tokenizer_is_refused(files, capsys):
     assert "tokenizer" in user_error(capsys, files / "plan.json", "--weights", "random", "--prompt", "hello")
 
 
-def test_quantized_kv_plan_is_refused_with_the_dtypes_the_runtime_keeps(files, tmp_path, capsys):
+def test_plan_with_quantised_weights_and_kv_cache_runs(files, tmp_path, capsys):
     plan, _ = compile_plan(CompileRequest(model=str(files / "model"), hw=str(files / "node.yaml"), strategy="stream",
                                           weight_dtype="q4_k_m", kv_dtype="int8", prompt_len=4, gen_len=GEN_LEN))
     write_atomic(tmp_path / "q.json", plan.to_json())
-    line = user_error(capsys, tmp_path / "q.json", "--weights", "random")
-    assert "--kv-dtype int8" in line and "fp32, bf16, fp16" in line
+    rc, out, err = run_cli(capsys, tmp_path / "q.json", "--weights", "random", "--prompt-ids", "1,2,3,4", "--json")
+    assert rc == 0, err
+    assert len(json.loads(out)["tokens"][0]) == GEN_LEN

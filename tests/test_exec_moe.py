@@ -31,7 +31,7 @@ from hetplan.routing import load_routing
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.workload import Workload
 from tiny_models import TINY_GPU_NODE
-from tiny_models import MOE_FAMILIES, randomise_moe
+from tiny_models import MOE_FAMILIES, saved_moe_model
 
 PROMPT_LEN, GEN_LEN, TOL, VOCAB = 8, 32, 1e-4, 128
 NODE = TINY_GPU_NODE
@@ -95,12 +95,7 @@ def node(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_model(request, tmp_path_factory):
-    config_cls, model_cls, kw = FAMILIES[request.param]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw)).eval()
-    randomise_moe(model)
-    directory = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(directory)
+    model, directory = saved_moe_model(FAMILIES, request.param, tmp_path_factory)
     ids = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
     return request.param, str(directory), ids, _reference(model, ids)
 

@@ -20,7 +20,7 @@ def test_model_too_big_for_gpu_and_cpu_together_states_missing_bytes_and_fixes()
     wl = Workload(batch=1, prompt_len=512, gen_len=128)
     weights = spec.total_params() * 2
     kv = spec.n_layers * 640 * (2 * 8 * 128 * 2)      # layers * tokens * (K and V of 8 heads of 128, bf16)
-    need = weights + kv + 2 * workspace_bytes(spec, wl)  # a workspace on each device
+    need = weights + kv + workspace_bytes(spec, wl, "gpu") + workspace_bytes(spec, wl, "cpu")  # one per device
     have = (8 - 0.75) * GIB + (32 - 4) * GIB
     with pytest.raises(InfeasibleError) as err:
         compile_plan(CompileRequest(model="llama-3.1-70b", hw="laptop-8g", weight_dtype="bf16"))

@@ -44,3 +44,17 @@ def randomise_moe(model, seed: int = 1) -> None:
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def saved_moe_model(families: dict, family: str, tmp_path_factory):
+    """(model, directory): a tiny random ``family`` model (``families[family]`` = (config class,
+    model class, kwargs)), weights widened by ``randomise_moe``, saved with ``save_pretrained``."""
+    import transformers
+
+    config_cls, model_cls, kw = families[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw)).eval()
+    randomise_moe(model)
+    directory = tmp_path_factory.mktemp(family)
+    model.save_pretrained(directory)
+    return model, directory
