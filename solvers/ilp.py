@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pulp
 
 from hetplan.errors import HetplanError
@@ -288,8 +289,32 @@ class _Model:
             gaps[cur, w] = table
         return gaps
 
+    def start_values(self, dec: Decision) -> dict | None:
+        """Values of the placement variables that encode ``dec`` (HiGHS completes the rest), or
+        None when this configuration cannot express it (a block streamed that it cannot stream)."""
+        values = {}
+        for b in self.problem.blocks:
+            values[self.r[b.name]] = 1.0 if dec.weights[b.name] == "gpu" else 0.0
+            for p in PHASES:
+                streamed = dec.exec[p][b.name] == "stream"
+                if (b.name, p) in self.s:
+                    values[self.s[b.name, p]] = float(streamed)
+                elif streamed:
+                    return None
+            if b.name in self.k:
+                values[self.k[b.name]] = 1.0 if dec.kv[b.name] == "gpu" else 0.0
+        for b, x in self.xv.layers.items():
+            n = dec.hot_experts(b, x.n_experts)
+            for i, (_, size) in enumerate(self.xv.classes[b]):
+                values[self.xv.m[b, i]] = float(min(size, n))
+                n -= min(size, n)
+            values[self.xv.cold[b]] = float(dec.weights[b] == "gpu" and dec.hot_experts(b, x.n_experts) < x.n_experts)
+        return values
+
     # (4) solve -------------------------------------------------------------------------------
-    def solve(self, opts: IlpOptions, cutoff_s: float | None = None) -> IlpResult:
+    def solve(self, opts: IlpOptions, cutoff_s: float | None = None, start: Decision | None = None) -> IlpResult:
+        """``start``: a placement handed to HiGHS as its first incumbent (when it fits this
+        configuration), so that the search prunes against it from the root."""
         if opts.dump_lp:
             self.prob.writeLP(opts.dump_lp)
         extra = {"objective_bound": self._weighted_cutoff_ms(cutoff_s)} if cutoff_s is not None else {}
@@ -298,7 +323,7 @@ class _Model:
                             mip_heuristic_effort=0.01, **extra)
         t0 = time.perf_counter()
         with _stdout_silenced():
-            _run_highs(self.prob, solver)
+            _run_highs(self.prob, solver, self.start_values(start) if start is not None else None)
         elapsed = time.perf_counter() - t0
         h = self.prob.solverModel
         status = _STATUS.get(h.modelStatusToString(h.getModelStatus()),
@@ -353,11 +378,15 @@ def _stdout_silenced():
         os.close(saved)
 
 
-def _run_highs(prob: pulp.LpProblem, solver) -> None:
-    """Build and run the HiGHS model through PuLP's adapter, then read the column values back
-    ourselves: PuLP's own status table has no entry for HiGHS's node (solution) limit."""
+def _run_highs(prob: pulp.LpProblem, solver, start: dict | None = None) -> None:
+    """Build and run the HiGHS model through PuLP's adapter (with ``start``, variable -> value,
+    as a partial MIP start that HiGHS completes), then read the column values back ourselves:
+    PuLP's own status table has no entry for HiGHS's node (solution) limit."""
     solver.createAndConfigureSolver(prob)
     solver.buildSolverModel(prob)
+    if start:
+        index = np.array([v.index for v in start], dtype=np.int32)
+        prob.solverModel.setSolution(len(index), index, np.array(list(start.values()), dtype=np.float64))
     solver.callSolver(prob)
     h = prob.solverModel
     if h.getInfo().primal_solution_status == 2:
@@ -402,13 +431,15 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
         return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
+    from hetplan.solvers.baselines import best_fitting
+    start = best_fitting(problem)
     results = []
     for depth, slot in configurations(problem, opts.depths):
         tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
         dump = f"{opts.dump_lp.removesuffix('.lp')}{tag}.lp" if opts.dump_lp else None
         found = [r.objective_s for r in results if r.decision is not None]
         res = _Model(problem, depth, slot).solve(IlpOptions(**{**opts.__dict__, "dump_lp": dump}),
-                                                 cutoff_s=min(found) if found else None)
+                                                 cutoff_s=min(found) if found else None, start=start)
         if res.decision is None and found and res.status in ("infeasible", "objective_bound"):
             # nothing better than the cutoff exists at this depth: the cutoff is its bound
             res = IlpResult(None, "optimal", 0.0, float("inf"), min(found), res.solve_seconds,
