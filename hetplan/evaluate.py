@@ -16,8 +16,12 @@ def memory_report(problem: Problem, dec: Decision) -> dict:
     """Bytes per tier: resident weights, KV cache, staging slots, workspace; and the budgets.
 
     GPU: weights of ``gpu`` blocks (less their cold experts) + KV of ``gpu`` caches + depth *
-    largest streamed block + workspace (when any block computes on the GPU). CPU: weights of
-    ``cpu``/``stream`` blocks + cold experts + KV of ``cpu`` caches + workspace."""
+    slot + workspace (when any block computes on the GPU). CPU: weights of ``cpu``/``stream``
+    blocks + cold experts + KV of ``cpu`` caches + workspace.
+
+    Slots come in block sizes: a slot is the smallest streamable block size that holds what is
+    loaded into it (the largest streamed block, or a resident MoE block's streamed cold experts,
+    which round up to the next block size). The MILP enumerates exactly these sizes."""
     gpu_w = cpu_w = gpu_kv = cpu_kv = 0.0
     slot = 0.0
     for b in problem.blocks:
@@ -28,12 +32,14 @@ def memory_report(problem: Problem, dec: Decision) -> dict:
         else:
             cpu_w += b.weight_bytes
         if any(dec.exec[ph][b.name] == "stream" for ph in PHASES):
-            slot = max(slot, b.weight_bytes)
+            slot = max(slot, cold if dec.weights[b.name] == "gpu" else b.weight_bytes)
         if b.kind == "attn":
             if dec.kv[b.name] == "gpu":
                 gpu_kv += b.kv_bytes
             else:
                 cpu_kv += b.kv_bytes
+    if slot:
+        slot = min(w for w in (b.weight_bytes for b in problem.blocks if b.streamable) if w >= slot)
     gpu_used = any(dec.exec[ph][b.name] != "cpu" for ph in PHASES for b in problem.blocks)
     gpu = {"weights": gpu_w, "kv": gpu_kv, "staging": dec.depth * slot,
            "workspace": problem.gpu_workspace_bytes if gpu_used else 0.0}

@@ -11,7 +11,10 @@ the CPU. In a phase its tasks are::
 ``moe_route`` computes the norm and the router and gathers the rows of the (token, cold expert)
 pairs; only those rows cross PCIe, and only their gate-weighted outputs come back, where
 ``moe_merge`` adds them into the residual. With ``n = E`` the block runs ``moe_route`` and
-``moe_experts`` only. A block streamed or computed on the CPU runs as one ``moe`` stage.
+``moe_experts`` only. In a phase whose exec is ``stream`` (worth it for long prefills) the cold
+experts are instead loaded into a staging slot (an h2d ``load`` of their bytes) and the block
+runs ``moe_route`` and ``moe_experts`` over all E experts. A block streamed whole or computed on
+the CPU runs as one ``moe`` stage.
 
 Per expert ``j`` (routing fraction ``f_j`` = share of tokens that choose it, sum = top-k) and
 ``T`` tokens in the phase, with every token choosing independently:

@@ -18,7 +18,9 @@ Vocabulary (written once, here):
 - an MoE block's *hot* experts are the routed experts resident in HBM beside its router and
   shared experts (the most frequently chosen first); its *cold* experts stay in DRAM and run on
   the CPU while the GPU runs the hot ones (stages ``moe_route``, ``moe_experts``, ``moe_cold``,
-  ``moe_merge``: see ``hetplan.experts``). A block streamed or on the CPU has none hot.
+  ``moe_merge``: see ``hetplan.experts``); in a phase whose exec is ``stream`` its cold experts
+  are loaded into a staging slot and run on the GPU instead. A block streamed whole or on the
+  CPU has none hot.
 
 A plan is data: frozen dataclasses with ``to_json``/``from_json`` and a schema version.
 """

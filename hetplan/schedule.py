@@ -3,7 +3,8 @@
 One rule set, used for every strategy: which tasks exist (stages on their devices, activation
 copies where consecutive stages change device, weight loads of streamed blocks, the prompt's KV
 copied down when the cache lives in DRAM; an MoE block resident on the GPU split into its hot
-and cold experts, ``hetplan.experts``), the order of tasks on each resource, and the
+and cold experts, ``hetplan.experts``, its cold experts loaded like a streamed block's weights
+in a phase whose exec says ``stream``), the order of tasks on each resource, and the
 dependency edges. Times are the earliest start of each task given both (a longest path).
 The ILP encodes the same rules as constraints in its own code; the simulator replays the result
 independently.
@@ -38,13 +39,14 @@ def split_experts(problem: Problem, dec: Decision, phase: str, stage):
     return problem.experts.get(phase, {}).get(stage.block)
 
 
-def _split_tasks(x, n: int, block: str) -> tuple[list, list]:
-    """(tasks in queue order, their inner edges) of an MoE block with ``n`` hot experts; the
+def _split_tasks(x, n: int, block: str, slot: int | None = None) -> tuple[list, list]:
+    """(tasks in queue order, their inner edges) of an MoE block with ``n`` experts on the GPU
+    in this phase (all of them when its cold experts are streamed into staging ``slot``); the
     first task is the router, the last the one whose output the next stage reads."""
     route = Task(id=f"moe_route/{block}", resource="gpu", block=block, kind="moe_route",
-                 duration_s=x.route_s(), flops=x.route_work()[0], bytes=x.route_work()[1])
+                 duration_s=x.route_s(), flops=x.route_work()[0], bytes=x.route_work()[1], slot=slot)
     hot = Task(id=f"moe_experts/{block}", resource="gpu", block=block, kind="moe_experts",
-               duration_s=x.hot_s(n), flops=x.hot_work(n)[0], bytes=x.hot_work(n)[1])
+               duration_s=x.hot_s(n), flops=x.hot_work(n)[0], bytes=x.hot_work(n)[1], slot=slot)
     if n >= x.n_experts:
         return [route, hot], [(route.id, hot.id)]
     down = Task(id=f"act_down/moe_cold/{block}", resource="d2h_act", block=block, kind="act_down",
@@ -81,7 +83,8 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
         w = st.work
         split = split_experts(problem, dec, phase, st)
         if split is not None:
-            tasks, inner = _split_tasks(split, dec.hot_experts(st.block, split.n_experts), st.block)
+            n = split.n_experts if st.block in slots else dec.hot_experts(st.block, split.n_experts)
+            tasks, inner = _split_tasks(split, n, st.block, slots.get(st.block))
             if prev_id is not None and prev_dev != "gpu":
                 x = Task(id=f"act_up/{tasks[0].id}", resource="h2d_act", block=st.block, kind="act_up",
                          duration_s=sc.up_s, bytes=st.in_bytes)
@@ -123,8 +126,13 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
 
     def load(name):
         b = problem.graph.block(name)
+        nbytes, secs = b.weight_bytes, problem.load_s[name]
+        if dec.weights[name] == "gpu":  # a resident MoE block's cold experts
+            x = problem.experts[phase][name]
+            nbytes = (x.n_experts - dec.hot_experts(name, x.n_experts)) * x.expert_bytes
+            secs = x.h2d.seconds(0.0, nbytes)
         t = Task(id=f"load/{name}", resource="h2d", block=name, kind="load",
-                 duration_s=problem.load_s[name], bytes=b.weight_bytes, slot=slots[name])
+                 duration_s=secs, bytes=nbytes, slot=slots[name])
         edges.append((t.id, first_stage[name]))
         i = index[name]
         if i >= dec.depth:

@@ -126,10 +126,11 @@ def _stuck(queues, waiting, successors, end) -> str:
 # -- staging slots -----------------------------------------------------------------------------
 
 def staging_occupancy(tasks, start: dict, end: dict, depth: int, slot_bytes: float,
-                      weight_bytes: dict, phase: str = "phase") -> tuple[int, float]:
+                      phase: str = "phase") -> tuple[int, float]:
     """Check the staging discipline of one phase's replay -> (max slots in use, peak bytes).
 
-    A load of block b into slot s occupies s over [start(load), max end of b's compute tasks).
+    A load of block b into slot s occupies s (with the load's bytes: the block's weights, or a
+    resident MoE block's cold experts) over [start(load), max end of b's compute tasks).
     Raises PlanInvalid when a slot is outside 0..depth-1, a load does not fit a slot, a block is
     loaded twice or never used, a reader starts before its load ended or reads another slot,
     two occupancies of one slot overlap, or more than ``depth`` slots are in use at once."""
@@ -162,7 +163,7 @@ def staging_occupancy(tasks, start: dict, end: dict, depth: int, slot_bytes: flo
     for block, load in loads.items():
         if block not in last_use:
             raise PlanInvalid(f"{phase}: {load.id} loads weights no compute task of block {block} uses")
-        intervals.append((start[load.id], last_use[block], load.slot, load.id, weight_bytes[block]))
+        intervals.append((start[load.id], last_use[block], load.slot, load.id, load.bytes))
     by_slot = {}
     for iv in sorted(intervals):
         prev = by_slot.get(iv[2])
@@ -200,7 +201,6 @@ def simulate(plan) -> SimResult:
     if not isinstance(depth, int) or depth < 1:
         raise PlanInvalid(f"staging.depth must be a positive integer, got {depth!r}")
     entries = {p["block"]: p for p in plan.placement}
-    weight_bytes = {b: p["weight_bytes"] for b, p in entries.items()}
     makespan, busy, slots, staged, starts, ends = {}, {}, {}, {}, {}, {}
     for phase in PHASES:
         if phase not in plan.schedule:
@@ -212,7 +212,7 @@ def simulate(plan) -> SimResult:
                                   f"placement does not list")
         start, end = replay(sched.tasks, sched.edges, phase)
         slots[phase], staged[phase] = staging_occupancy(sched.tasks, start, end, depth,
-                                                        plan.staging["slot_bytes"], weight_bytes, phase)
+                                                        plan.staging["slot_bytes"], phase)
         makespan[phase] = max(end.values(), default=0.0)
         busy[phase] = {}
         for t in sched.tasks:
@@ -310,6 +310,15 @@ def _check_placement(plan, sched, phase: str) -> None:
         if entries[block]["exec"][phase] != "stream":
             raise PlanInvalid(f"{phase}: block {block} is loaded, but its placement says exec "
                               f"{entries[block]['exec'][phase]!r}")
+    for t in sched.tasks:
+        if t.kind != "load":
+            continue
+        e = entries[t.block]
+        # what is not resident: the whole block, or a resident MoE block's cold experts
+        away = (e.get("cold_expert_bytes") or 0.0) if e["weights"] == "gpu" else e["weight_bytes"]
+        if not away or abs(t.bytes - away) > _tol(away):
+            raise PlanInvalid(f"{phase}: {t.id} copies {t.bytes:.0f} bytes, but block {t.block} keeps "
+                              f"{away:.0f} bytes outside HBM")
     for t in sched.tasks:
         if t.resource not in COMPUTE_RESOURCES:
             continue

@@ -6,7 +6,9 @@ Extends the dense backend with two capabilities, each a function of one block's 
   expert the tokens chose, the shared experts, residual. The block is placed as a whole, so all
   its experts sit on the stage's device (resident, or in the staging slot a ``load`` filled).
 - a GPU-resident block split into ``moe_route``, ``moe_experts``, ``moe_cold`` and ``moe_merge``
-  (``runtime/moe_split.py``): the same computation with its cold experts on the CPU.
+  (``runtime/moe_split.py``): the same computation with its cold experts on the CPU; or, in a
+  phase that streams its cold experts, ``moe_route`` and ``moe_experts`` alone, their weights
+  holding every expert (so no pair goes to the CPU).
 - DeepSeek's multi-head latent attention (``runtime/mla.py``) split into the plan's three
   attention stages, weight-absorbed throughout so that the core reads no weights and can run
   beside a latent cache in DRAM with only small tensors crossing::
@@ -70,7 +72,8 @@ class MoeBackend(DenseBackend):
         self.recorder = None
         """A ``RoutingRecorder`` counting the experts each ``moe``/``moe_route`` stage chooses, or None."""
         self._record_lock = threading.Lock()
-        self._hot = {}                # (block, device) -> moe_split.HotSet of a split block's GPU part
+        self._hot = {}                # (block, device, hot ids) -> moe_split.HotSet of a split block's GPU part
+        self._down = tuple(f"experts.{e}.down" for e in range(spec.n_experts))
 
     # -- the backend interface ---------------------------------------------------------------
     def block_tensors(self, block: str, kind: str, layer: int | None) -> list[TensorSpec]:
@@ -139,9 +142,11 @@ class MoeBackend(DenseBackend):
         return moe_split.merge_stage(c)
 
     def _hot_set(self, c: StageCall) -> moe_split.HotSet:
-        """The experts the block's GPU part holds, found once per block (a block's resident
-        weights do not change during a run)."""
-        key = (c.block, c.device)
+        """The experts the stage's weights hold: the block's GPU part, with its cold experts in a
+        phase that streams them. Looked up on every call (one phase may stream them, the other
+        not), its mask made once per block and set."""
+        ids = tuple(e for e, name in enumerate(self._down) if name in c.weights)
+        key = (c.block, c.device, ids)
         if key not in self._hot:
             self._hot[key] = moe_split.HotSet.of(c.weights, self.spec.n_experts, c.device)
         return self._hot[key]

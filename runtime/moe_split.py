@@ -14,7 +14,9 @@ part holds. With T = B * S tokens, k experts per token and P (token, cold expert
                      SwiGLU per cold expert over its contiguous rows
     moe_merge   gpu  x, cold_y, cold_pos -> x with cold_y added at rows cold_pos
 
-Only the cold pairs' rows cross to the CPU and only their outputs come back. Every stage
+Only the cold pairs' rows cross to the CPU and only their outputs come back. In a phase that
+streams the cold experts into a staging slot, the GPU stages' weights hold them too: the HotSet
+is complete, ``moe_route`` sends no pair and ``moe_experts`` computes every expert. Every stage
 computes as the whole-block ``moe`` stage does (``runtime/moe.py``), so a split block's output
 equals the unsplit one's up to the order of the sums.
 

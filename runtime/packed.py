@@ -15,13 +15,18 @@ on every lookup. Stages compute experts one at a time, each before the next is l
 (``moe.experts_forward``, ``moe_split.cold_stage``), so in stream order on a GPU and in program
 order on the CPU no expert is overwritten while in use; a stage must never hold two routed
 experts' tensors at once. A buffer then needs a block's other linears plus one expert: what the
-planner reserves (``hetplan.graph.dequant_buffer_elems``).
+planner reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts
+are streamed computes with two packed parts (``PackedParts``: its resident bytes and its cold
+experts' bytes in a staging slot); the cold part's experts dequantise into the resident part's
+expert region (``sharing_experts``), so the buffer still holds one expert at a time.
 
 Knows nothing about tiers, plans or schedules.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -91,6 +96,16 @@ def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None) -> Packed
     return PackedLayout(tuple(packed), offset, raw_dtype, tuple(raw), tuple(dense), experts)
 
 
+def sharing_experts(layout: PackedLayout, other: PackedLayout) -> PackedLayout:
+    """``layout``, of routed experts only (a split block's cold part), with its experts
+    dequantised into ``other``'s expert region (after ``other``'s other linears) instead of from
+    offset 0, so that a stage computing with both parts holds one expert at a time."""
+    if any(local not in layout.experts for local, _, _ in layout.dense):
+        raise ValueError("sharing_experts: the layout holds linears other than routed experts")
+    start = sum(numel(shape) for local, _, shape in other.dense if local not in other.experts)
+    return dataclasses.replace(layout, dense=tuple((local, off + start, shape) for local, off, shape in layout.dense))
+
+
 class PackedView:
     """A quantised block's bytes (resident, host or a staging slot) and the buffer its stages
     dequantise into (None where no stage computes with these bytes: a streamed block's host
@@ -107,6 +122,18 @@ class PackedView:
     def materialise(self) -> "Dequantised":
         """The block's tensors for one stage."""
         return Dequantised(self)
+
+
+class PackedParts:
+    """A block's weights held as several ``PackedView`` (a split block's resident part and its
+    cold experts in a staging slot), seen by a stage as one mapping."""
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+
+    def materialise(self) -> ChainMap:
+        """The parts' tensors for one stage (no name is in two parts)."""
+        return ChainMap(*(part.materialise() for part in self.parts))
 
 
 class Dequantised(Mapping):

@@ -15,8 +15,12 @@ pages).
 - ``cpu`` blocks: the buffer is in host memory.
 - split MoE blocks (weights ``gpu`` with cold experts, ``hetplan.experts``): two buffers, the
   block's tensors less its cold experts' in GPU memory, the cold experts' in host memory
-  (plain, unpinned: only the CPU reads them). Stages on the GPU see the first part, the CPU's
+  (plain where only the CPU reads them). Stages on the GPU see the first part, the CPU's
   ``moe_cold`` the second; which tensors belong to an expert the backend says (``expert_of``).
+  In a phase whose exec is ``stream`` the cold experts are streamed instead: their buffer is
+  pinned, a ``load`` copies it into a staging slot (which is then as large as the largest thing
+  loaded, a whole block or a cold part) and the block's GPU stages see both parts, the resident
+  tensors and the cold experts' views over the slot: every expert is on the GPU.
 - KV caches: ``[B, T, ...]`` values per attention block in the tier of its ``kv`` (pinned host
   memory when a GPU copies the prompt's KV into it), plain or quantised per token row in the
   plan's KV dtype (``runtime/kv_cache.py``).
@@ -28,7 +32,8 @@ buffer of the compute dtype on the stage's tier: one per tier, as large as the l
 computing there needs, its routed experts counted as one (they take turns in one region). The
 planner reserves that buffer in each device's workspace; it is charged to its tier's ledger like
 any allocation. A split block's parts are packed separately and dequantise into the buffer of
-the tier they compute on.
+the tier they compute on; streamed cold experts, in their slot, into the resident part's expert
+region of the GPU's buffer (``packed.sharing_experts``).
 
 Everything is allocated here, through ``Devices`` (which counts it); nothing during a step.
 Knows nothing about the schedule beyond which slot a block uses.
@@ -46,7 +51,7 @@ from hetplan.graph import PHASES
 from hetplan.plan import Plan
 from hetplan.runtime import kv_cache, quant
 from hetplan.runtime.devices import Devices
-from hetplan.runtime.packed import PackedView, numel, packed_layout, views
+from hetplan.runtime.packed import PackedParts, PackedView, numel, packed_layout, sharing_experts, views
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,14 @@ class BlockWeights:
 
 def check_placement(plan: Plan) -> None:
     """Refuse placements the schedule has no tasks for: execution on the GPU of weights that are
-    not resident there, streaming of resident weights, a GPU KV cache beside a CPU block, cold
-    experts that are not valid expert ids or that no ``moe_cold`` task computes."""
+    not resident there, streaming of resident weights (but for a split MoE block's cold experts),
+    a GPU KV cache beside a CPU block, cold experts that are not valid expert ids or that no
+    ``moe_cold`` task computes (no ``load`` streams, in a phase whose exec is ``stream``)."""
     for p in plan.placement:
         for phase in PHASES:
             ex = p["exec"][phase]
-            bad = (ex == "gpu") != (p["weights"] == "gpu") or (p["kv"] == "gpu" and ex == "cpu")
+            streams_cold = ex == "stream" and bool(cold_experts(p, plan.model.n_experts))
+            bad = not streams_cold and ((ex == "gpu") != (p["weights"] == "gpu") or (p["kv"] == "gpu" and ex == "cpu"))
             if bad:
                 raise HetplanError(f"plan placement of block {p['block']}: weights {p['weights']}, "
                                    f"{phase} exec {ex}, kv {p['kv']} cannot be executed (no task moves "
@@ -89,7 +96,15 @@ def _check_experts(plan: Plan, p: dict) -> None:
                            f"experts_on_gpu = {p.get('experts_on_gpu')} distinct expert ids in 0..{n_e - 1}; "
                            f"recompile the plan with `hetplan compile`")
     for phase in PHASES:
-        split = any(t.kind == "moe_cold" and t.block == p["block"] for t in plan.schedule[phase].tasks)
+        tasks = plan.schedule[phase].tasks
+        split = any(t.kind == "moe_cold" and t.block == p["block"] for t in tasks)
+        if p["exec"][phase] == "stream":
+            loaded = any(t.kind == "load" and t.block == p["block"] for t in tasks)
+            if split or not loaded:
+                raise HetplanError(f"plan placement of block {p['block']}: cold experts streamed in {phase}, but "
+                                   f"the {phase} schedule {'has a moe_cold task' if split else 'has no load'} "
+                                   f"for the block; recompile the plan with `hetplan compile`")
+            continue
         if split != bool(cold_experts(p, n_e)):
             raise HetplanError(f"plan placement of block {p['block']}: {n_e - len(hot)} experts in DRAM, "
                                f"but the {phase} schedule {'has a' if split else 'has no'} moe_cold task for "
@@ -118,7 +133,7 @@ class Residency:
         self.expert_of = getattr(backend, "expert_of", None)
         self.blocks: dict[str, BlockWeights] = {}
         self.cold: dict[str, BlockWeights] = {}
-        """Split MoE block -> its cold experts' weights, in host memory."""
+        """Split MoE block -> its cold experts' weights, in host memory (pinned when streamed)."""
         entries = list(plan.placement)
         specs = {p["block"]: backend.block_tensors(p["block"], p["kind"], p["layer"]) for p in entries}
         self.fmt = plan.model.weight_dtype if quant.is_quantised(plan.model.weight_dtype) else None
@@ -139,11 +154,11 @@ class Residency:
             self.blocks[p["block"]] = place(p, main, source, dtype, tier, pinned=p["block"] in streamed,
                                             what=f"weights of {p['block']}")
             if cold:
-                self.cold[p["block"]] = place(p, cold, source, dtype, "cpu", pinned=False,
+                self.cold[p["block"]] = place(p, cold, source, dtype, "cpu", pinned=p["block"] in streamed,
                                               what=f"cold experts of {p['block']}")
         if progress:
             progress("loading", len(entries), len(entries))
-        slot_numel = max((self.blocks[b].flat.numel() for b in streamed), default=0)
+        slot_numel = max((self._loaded(b).flat.numel() for b in streamed), default=0)
         slot_dtype = torch.uint8 if self.fmt else dtype
         self.slots = [devices.empty("gpu", (slot_numel,), slot_dtype, f"staging slot {s}")
                       for s in range(plan.staging["depth"] if streamed else 0)]
@@ -173,7 +188,8 @@ class Residency:
     def _allocate_buffers(self, entries, parts, dtype: torch.dtype) -> None:
         """One dequantisation buffer per tier that computes with quantised blocks, as large as the
         largest block computing there needs (``PackedLayout.buffer_numel``: a split block's GPU
-        part on the GPU, its cold experts on the CPU).
+        part on the GPU, with its cold experts where a phase streams them, and its cold experts on
+        the CPU where a phase computes them there).
 
         The emulated GPU's buffer is charged at ``DEQUANT_BYTES["gpu"]`` bytes per element: the
         bf16 buffer a CUDA run allocates and the planner reserves, so that the budget checks what
@@ -184,8 +200,9 @@ class Residency:
             used = []
             for p in entries:
                 main, cold = parts[p["block"]]
+                cold_on = "stream" if tier == "gpu" else "gpu"      # exec of a phase computing them on ``tier``
                 used.append((main if any(p["exec"][ph] in computes for ph in PHASES) else [])
-                            + (cold if tier == "cpu" else []))
+                            + (cold if any(p["exec"][ph] == cold_on for ph in PHASES) else []))
             count = max((packed_layout(self.fmt, specs, dtype, self.expert_of).buffer_numel for specs in used),
                         default=0)
             if count:
@@ -213,25 +230,50 @@ class Residency:
     def weights(self, block: str, device: str, slot: int | None) -> dict:
         """The tensors a stage of ``block`` computes with on ``device`` (``gpu``/``cpu``):
         resident tensors, views into staging slot ``slot``, host tensors, a split block's cold
-        experts (on the CPU), or none (an attention core beside its KV cache, away from its
-        block's weights, reads none)."""
+        experts (on the CPU), a split block's resident tensors with its cold experts' views into
+        ``slot`` (on the GPU, in a phase that streams them), or none (an attention core beside
+        its KV cache, away from its block's weights, reads none)."""
         bw = self.blocks[block]
+        if device == "gpu" and block in self.cold and slot is not None:
+            return self._in_slot(block, slot)
         if device == bw.tier:
             return bw.tensors
         if device == "cpu" and block in self.cold:
             return self.cold[block].tensors
         if slot is None or not self.slots:
             return {}
+        return self._in_slot(block, slot)
+
+    def _in_slot(self, block: str, slot: int):
+        """The views a GPU stage of a block streamed into ``slot`` computes with, made once:
+        the block's own layout over the slot, or a split block's resident tensors plus its cold
+        experts' layout over the slot (quantised: their experts sharing the resident part's
+        expert region of the dequantisation buffer)."""
         key = (block, slot)
-        if key not in self._views:
-            self._views[key] = PackedView(self.fmt, self.slots[slot], bw.layout, self.buffers["gpu"], self.fused) \
-                if self.fmt else views(self.slots[slot], bw.layout, self.fused)
-        return self._views[key]
+        if key in self._views:
+            return self._views[key]
+        flat, bw = self.slots[slot], self._loaded(block)
+        if block not in self.cold:
+            view = PackedView(self.fmt, flat, bw.layout, self.buffers["gpu"], self.fused) if self.fmt \
+                else views(flat, bw.layout, self.fused)
+        elif self.fmt:
+            main = self.blocks[block]
+            cold = PackedView(self.fmt, flat, sharing_experts(bw.layout, main.layout), self.buffers["gpu"], self.fused)
+            view = PackedParts((main.tensors, cold))
+        else:
+            view = {**self.blocks[block].tensors, **views(flat, bw.layout, self.fused)}
+        self._views[key] = view
+        return view
+
+    def _loaded(self, block: str) -> BlockWeights:
+        """What a ``load`` of streamed ``block`` copies: its cold experts for a split block, else
+        the whole block."""
+        return self.cold.get(block) or self.blocks[block]
 
     def load(self, block: str, slot: int) -> None:
-        """Copy a streamed block's weights into staging slot ``slot`` (asynchronously on CUDA:
-        the caller is on the ``h2d`` stream)."""
-        flat = self.blocks[block].flat
+        """Copy a streamed block's weights (a split block's cold experts) into staging slot
+        ``slot`` (asynchronously on CUDA: the caller is on the ``h2d`` stream)."""
+        flat = self._loaded(block).flat
         self.slots[slot][:flat.numel()].copy_(flat, non_blocking=self.devices.cuda)
 
 

@@ -88,7 +88,7 @@ class _Model:
         for st in problem.graph.stages["decode"]:
             if st.follows == "kv":
                 self.has_core[st.block] = True
-        self.xv = ExpertVars(self.prob, problem, self.r)
+        self.xv = ExpertVars(self.prob, problem, self.r, slot_bytes)
         resident = {b.name: (b.weight_bytes / unit) * self.r[b.name] for b in blocks}
         resident.update({b: self.xv.resident_units(b, unit) for b in self.xv.layers})
         # (3) constraint families on placement and memory ----------------------------------
@@ -232,9 +232,10 @@ class _Model:
         C.add_pair_consistency(prob, y, mode, pairs, p)
         C.add_chain(prob, S, E, pairs, xfer, p)
         # weight loads on h2d, in block order, windowed by the staging depth
-        streamed = [n for n in names if (n, p) in self.s]
+        streamed = [n for n in names if (n, p) in self.s or self.xv.streamed(n, p)]
         L = {n: pulp.LpVariable(f"L_{p}_{n}", lowBound=0) for n in streamed}
-        EL = {n: L[n] + MS * pr.load_s[n] * self.s[n, p] for n in streamed}
+        EL = {n: L[n] + (MS * pr.load_s[n] * self.s[n, p] if (n, p) in self.s else 0)
+              + (self.xv.load_ms(p, n) if self.xv.streamed(n, p) else 0) for n in streamed}
         index = {n: i for i, n in enumerate(names)}
         windows = {n: names[index[n] - self.depth] if index[n] >= self.depth else None for n in streamed}
         C.add_load_edges(prob, S, E, L, EL, windows, p)
@@ -297,6 +298,13 @@ class _Model:
             values[self.r[b.name]] = 1.0 if dec.weights[b.name] == "gpu" else 0.0
             for p in PHASES:
                 streamed = dec.exec[p][b.name] == "stream"
+                if dec.weights[b.name] == "gpu" and streamed:  # a resident MoE block's cold experts
+                    if not self.xv.streamed(b.name, p):
+                        return None
+                    values[self.xv.u[b.name, p]] = 1.0
+                    streamed = False
+                elif self.xv.streamed(b.name, p):
+                    values[self.xv.u[b.name, p]] = 0.0
                 if (b.name, p) in self.s:
                     values[self.s[b.name, p]] = float(streamed)
                 elif streamed:
@@ -351,7 +359,10 @@ class _Model:
             else:
                 weights[b.name] = "stream" if any(streamed.values()) else "cpu"
             for p in PHASES:
-                exec_[p][b.name] = "gpu" if weights[b.name] == "gpu" else ("stream" if streamed[p] else "cpu")
+                if weights[b.name] == "gpu":
+                    exec_[p][b.name] = "stream" if self.xv.streams_cold(b.name, p) else "gpu"
+                else:
+                    exec_[p][b.name] = "stream" if streamed[p] else "cpu"
             if b.name in self.k:
                 kv[b.name] = "gpu" if on(self.k[b.name]) else "cpu"
         experts = {b: self.xv.hot_count(b) for b in self.xv.layers if weights[b] == "gpu"}

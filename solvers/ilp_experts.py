@@ -31,10 +31,13 @@ MS = 1e3
 class ExpertVars:
     """The expert-count variables of every MoE block and their linking constraints."""
 
-    def __init__(self, prob, problem, r):
+    def __init__(self, prob, problem, r, slot_bytes: float | None = None):
+        """``slot_bytes``: the configuration's fixed staging slot; cold experts that fit in it
+        may be streamed (a phase's ``u``), none when None."""
         self.prob, self.problem, self.r = prob, problem, r
         self.layers = problem.experts.get("decode", {})
         self.m, self.classes, self.cold = {}, {}, {}
+        self.u, self.w = {}, {}
         for b, x in self.layers.items():
             classes = x.classes()
             self.classes[b] = classes
@@ -58,6 +61,36 @@ class ExpertVars:
             prob += q <= r[b], f"cold_needs_resident_{b}"
             prob += n + q <= e, f"cold_means_fewer_{b}"
             prob += n >= e * (r[b] - q), f"no_cold_means_all_{b}"
+            fit = int((slot_bytes or 0.0) // x.expert_bytes)
+            if fit and slot_bytes:
+                self._streamed_cold(b, x, n, q, min(fit, e))
+
+    def _streamed_cold(self, b, x, n, q, fit: int):
+        """u_bp: block b's cold experts streamed into the slot in phase p (all of them, at most
+        ``fit``), then computed on the GPU; w_bcp = u_bp * cold_bc (exact for binary u):
+            u_bp <= q_b,   n_b >= (E - fit) u_bp,
+            w_bcp <= |c| u_bp,   w_bcp <= cold_bc,   w_bcp >= cold_bc - |c| (1 - u_bp)."""
+        prob = self.prob
+        for p in ("prefill", "decode"):
+            u = pulp.LpVariable(f"u_cold_{b}_{p}", cat="Binary")
+            self.u[b, p] = u
+            prob += u <= q, f"stream_needs_cold_{b}_{p}"
+            prob += n >= (x.n_experts - fit) * u, f"cold_fits_slot_{b}_{p}"
+            for i, (_, size) in enumerate(self.classes[b]):
+                w = pulp.LpVariable(f"w_cold_{b}_{i}_{p}", lowBound=0)
+                self.w[b, i, p] = w
+                prob += w <= size * u, f"w_needs_u_{b}_{i}_{p}"
+                prob += w <= self._cold(b, i), f"w_at_most_cold_{b}_{i}_{p}"
+                prob += w >= self._cold(b, i) - size * (1 - u), f"w_all_cold_{b}_{i}_{p}"
+
+    def streamed(self, b, p) -> bool:
+        return (b, p) in self.u
+
+    def load_ms(self, p, b):
+        """h2d time (ms) of block b's streamed cold experts in phase p: l_link u + W_e / bw * sum_c w."""
+        x = self.problem.experts[p][b]
+        return MS * (x.h2d.latency_s * self.u[b, p] + (x.expert_bytes / x.h2d.bytes_per_s) * pulp.lpSum(
+            self.w[b, i, p] for i in range(len(self.classes[b]))))
 
     def n(self, b):
         return pulp.lpSum(self.m[b, i] for i in range(len(self.classes[b])))
@@ -77,24 +110,29 @@ class ExpertVars:
         cls = self.classes[b]
         per = lambda vals, i: vals[cls[i][0]]  # noqa: E731 - a class's per-expert value
         g, c = x.gpu, x.cpu
+        # experts on the GPU in this phase: hot, plus cold ones streamed; cold ones on the CPU
+        streamed = {i: self.w[b, i, p] if (b, p) in self.u else 0 for i in range(len(cls))}
+        on_gpu = {i: self.m[b, i] + streamed[i] for i in range(len(cls))}
+        on_cpu = {i: self._cold(b, i) - streamed[i] for i in range(len(cls))}
+        cpu_side = q - self.u[b, p] if (b, p) in self.u else q
         hot = pulp.LpVariable(f"Hot_{p}_{b}", lowBound=0)
         prob += hot >= MS * (g.latency_s * r + (x.shared_flops / g.flops_per_s) * r + pulp.lpSum(
-            (per(x.flops, i) / g.flops_per_s) * self.m[b, i] for i in range(len(cls)))), f"hot_flops_{p}_{b}"
+            (per(x.flops, i) / g.flops_per_s) * on_gpu[i] for i in range(len(cls)))), f"hot_flops_{p}_{b}"
         prob += hot >= MS * (g.latency_s * r + (x.shared_bytes / g.bytes_per_s) * r + pulp.lpSum(
-            ((per(x.wbytes, i) + 2 * per(x.rows, i)) / g.bytes_per_s) * self.m[b, i]
+            ((per(x.wbytes, i) + 2 * per(x.rows, i)) / g.bytes_per_s) * on_gpu[i]
             for i in range(len(cls)))), f"hot_bytes_{p}_{b}"
         copies = lambda i: (per(x.rows, i) + INDEX_BYTES * x.tokens * per(x.fraction, i)) / x.d2h.bytes_per_s \
             + per(x.rows, i) / x.h2d.bytes_per_s  # noqa: E731
         lat = c.latency_s + x.d2h.latency_s + x.h2d.latency_s
         coldt = pulp.LpVariable(f"Cold_{p}_{b}", lowBound=0)
-        prob += coldt >= MS * (lat * q + pulp.lpSum(
-            (copies(i) + per(x.flops, i) / c.flops_per_s) * self._cold(b, i) for i in range(len(cls)))), \
+        prob += coldt >= MS * (lat * cpu_side + pulp.lpSum(
+            (copies(i) + per(x.flops, i) / c.flops_per_s) * on_cpu[i] for i in range(len(cls)))), \
             f"cold_flops_{p}_{b}"
-        prob += coldt >= MS * (lat * q + pulp.lpSum(
-            (copies(i) + (per(x.wbytes, i) + 2 * per(x.rows, i)) / c.bytes_per_s) * self._cold(b, i)
+        prob += coldt >= MS * (lat * cpu_side + pulp.lpSum(
+            (copies(i) + (per(x.wbytes, i) + 2 * per(x.rows, i)) / c.bytes_per_s) * on_cpu[i]
             for i in range(len(cls)))), f"cold_bytes_{p}_{b}"
-        merge = (g.latency_s + 2 * x.act_bytes / g.bytes_per_s) * q + pulp.lpSum(
-            (per(x.rows, i) / g.bytes_per_s) * self._cold(b, i) for i in range(len(cls)))
+        merge = (g.latency_s + 2 * x.act_bytes / g.bytes_per_s) * cpu_side + pulp.lpSum(
+            (per(x.rows, i) / g.bytes_per_s) * on_cpu[i] for i in range(len(cls)))
         end = pulp.LpVariable(f"E_{p}_{b}", lowBound=0)
         fixed = start + base + MS * (x.route_s() * r + merge)
         prob += end >= fixed + hot, f"end_gpu_side_{p}_{b}"
@@ -107,6 +145,9 @@ class ExpertVars:
 
     def max_split_s(self, p, b) -> float:
         return max(self.problem.experts[p][b].split_s_all())
+
+    def streams_cold(self, b, p) -> bool:
+        return (b, p) in self.u and (self.u[b, p].value() or 0.0) > 0.5
 
     def hot_count(self, b) -> int:
         return int(round(sum((self.m[b, i].value() or 0.0) for i in range(len(self.classes[b])))))

@@ -37,17 +37,22 @@ _WAYS = {"gpu": ("gpu", "gpu", "gpu"), "cpu": ("cpu", "cpu", "cpu"),
 
 
 def every_decision(blocks):
-    """Every (weights, exec, kv, depth, hot-expert count) the plan format can express."""
+    """Every (weights, exec, kv, depth, hot-expert count) the plan format can express; a
+    resident MoE block with cold experts runs them on the CPU (exec ``gpu``) or streams them
+    (exec ``stream``), per phase."""
     ways = [[_WAYS["gpu"], _WAYS["cpu"]] if not b.streamable else list(_WAYS.values()) for b in blocks]
     for combo in itertools.product(*ways):
         way = {b.name: w for b, w in zip(blocks, combo)}
         kvs = ("gpu", "cpu") if "cpu" not in way["attn_0"][1:] else ("cpu",)
         counts = range(E + 1) if way["moe_0"][0] == "gpu" else (None,)
         for kv, depth, n in itertools.product(kvs, (1, 2), counts):
-            yield Decision(weights={b: w[0] for b, w in way.items()},
-                           exec={"prefill": {b: w[1] for b, w in way.items()},
-                                 "decode": {b: w[2] for b, w in way.items()}},
-                           kv={"attn_0": kv}, depth=depth, experts={} if n is None else {"moe_0": n})
+            colds = itertools.product(("gpu", "stream"), repeat=2) if n is not None and n < E else [None]
+            for cold in colds:
+                moe = way["moe_0"] if cold is None else ("gpu", *cold)
+                yield Decision(weights={b: w[0] for b, w in way.items()},
+                               exec={ph: {b: (moe if b == "moe_0" else w)[1 + i] for b, w in way.items()}
+                                     for i, ph in enumerate(("prefill", "decode"))},
+                               kv={"attn_0": kv}, depth=depth, experts={} if n is None else {"moe_0": n})
 
 
 _ROWS = {}
@@ -150,3 +155,28 @@ def test_split_block_times_are_the_stated_formulas():
         (2 * row + sum(cold) * row) / gpu_bw + lat["gpu_task"], rel=1e-9)
     assert tasks["moe_route/moe_0"].duration_s == pytest.approx(
         ((1024 * E + 1024) * 2 + 2 * row) / gpu_bw + lat["gpu_task"], rel=1e-9)
+
+
+def test_a_long_prompt_streams_cold_experts_in_prefill_and_keeps_them_on_the_cpu_in_decode():
+    """Four layers, batch 4 x 1024-token prompts, a GPU holding most experts: prefill streams
+    each resident block's cold experts through the staging slot (costlier on the CPU than over
+    PCIe for 4096 tokens), decode runs them on the CPU. The MILP's objective is the plan's, and
+    running the cold experts on the CPU in prefill too is worse."""
+    spec = dataclasses.replace(SPEC, n_layers=4, n_experts=8)
+    wl = Workload(batch=4, prompt_len=1024, gen_len=32)
+    problem = build_problem(spec, tiny_node(600 / 1024, 64), wl)
+    dec, info, _ = decide(problem, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny"))
+    plan = make_plan(problem, dec, info)
+    check_plan(plan)
+    moe = [p for p in plan.placement if p["kind"] == "moe"]
+    streamed = [p for p in moe if p["weights"] == "gpu" and p["exec"]["prefill"] == "stream"]
+    assert streamed and all(p["exec"]["decode"] == "gpu" and p["experts_on_gpu"] < spec.n_experts for p in streamed)
+    loads = {t.block: t for t in plan.schedule["prefill"].tasks if t.kind == "load"}
+    for p in streamed:
+        assert loads[p["block"]].bytes == pytest.approx(p["cold_expert_bytes"])
+        assert not any(t.kind == "moe_cold" and t.block == p["block"] for t in plan.schedule["prefill"].tasks)
+        assert any(t.kind == "moe_cold" and t.block == p["block"] for t in plan.schedule["decode"].tasks)
+    assert info["milp_objective_s"] == pytest.approx(plan.solver["objective_s"], rel=1e-6 + info["mip_gap"])
+    on_cpu = dataclasses.replace(dec, exec={ph: {b: "gpu" if e == "stream" and dec.weights[b] == "gpu" else e
+                                                  for b, e in dec.exec[ph].items()} for ph in dec.exec})
+    assert make_plan(problem, on_cpu, info).predicted["ttft_s"] > plan.predicted["ttft_s"]
