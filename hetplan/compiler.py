@@ -12,6 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from hetplan.dtypes import bytes_per_element
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.evaluate import fits, make_plan, memory_report, objective_s, predictions
 from hetplan.hardware import HardwareSpec, load_node
@@ -233,7 +234,7 @@ def diagnose(problem: Problem) -> str:
              f"{format_bytes(problem.cpu_budget_bytes)} = {format_bytes(have)} are available"]
     if need > have:
         lines.append(f"missing {format_bytes(need - have)} in total. Fixes: a smaller weight dtype "
-                     f"(--weight-dtype q4_k_m needs about {format_bytes(weights * 4.85 / 8 / spec.weight_bytes_per_param)}),"
+                     f"(--weight-dtype q4_k_m needs about {format_bytes(weights * bytes_per_element('q4_k_m') / spec.weight_bytes_per_param)}),"
                      f" a smaller batch or context (KV is {format_bytes(kv / max(1, wl.batch))} per sequence),"
                      f" or more memory (--cpu-mem / --gpu-mem, or a bigger node)")
     elif problem.gpu_workspace_bytes > problem.gpu_budget_bytes:

@@ -2,7 +2,8 @@
 
 Block-quantised formats store scales beside the weights, so their cost per weight is more than
 the nominal bit width: q4_0 packs 32 weights in 18 bytes (4.5 bits), q8_0 32 in 34 bytes (8.5
-bits), q4_k_m mixes q4_k and q6_k super-blocks (about 4.85 bits on llama-class models).
+bits), q4_k_m here is one fixed format of 256-value super-blocks at 4.875 bits (GGUF's q4_k_m
+mixes q4_k and q6_k super-blocks for about 4.85 bits on llama-class models).
 ``int8``/``int4`` are per-channel formats whose scales are negligible.
 """
 
@@ -17,7 +18,7 @@ BITS_PER_ELEMENT = {
     "int8": 8.0,
     "int4": 4.0,
     "q8_0": 8.5,
-    "q4_k_m": 4.85,
+    "q4_k_m": 4.875,
     "q4_0": 4.5,
 }
 
@@ -41,6 +42,21 @@ def check_dtype(name: str, key: str) -> str:
 def bytes_per_element(name: str) -> float:
     """Bytes per stored element, scales included: q4_0 -> 0.5625."""
     return BITS_PER_ELEMENT[check_dtype(name, "dtype")] / 8.0
+
+
+def packed_bytes(name: str, rows: int, cols: int) -> float:
+    """Bytes of a ``[rows, cols]`` linear weight stored in a quantised format, flattened row by
+    row (the runtime's layout), 16-byte aligned: q8_0 34 and q4_0 18 B per 32 values, q4_k_m
+    156 B per 256 (the last block zero-padded); int8 rows * (cols + 4) and int4 4 * rows +
+    ceil(rows * cols / 2) (an fp32 scale per row)."""
+    n = rows * cols
+    if name == "int8":
+        b = rows * (cols + 4)
+    elif name == "int4":
+        b = 4 * rows + -(-n // 2)
+    else:
+        b = row_bytes(name, n)
+    return float(-(-b // 16) * 16)
 
 
 def row_bytes(name: str, n: int) -> float:

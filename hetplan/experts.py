@@ -199,7 +199,8 @@ def expert_layer(spec: ModelSpec, hw: HardwareSpec, tokens: int, fractions: tupl
     rates = rooflines(spec, hw)
     shared_params = spec.n_shared_experts * p_e
     return ExpertLayer(
-        ranked=ranked, fraction=f, expert_bytes=p_e * wb, dense_bytes=spec.moe_shared_params() * wb,
+        ranked=ranked, fraction=f, expert_bytes=spec.expert_bytes(),
+        dense_bytes=spec.block_weight_bytes("moe", spec.first_dense_layers) - spec.n_experts * spec.expert_bytes(),
         tokens=tokens,
         flops=tuple(2.0 * tokens * x * p_e for x in f),
         wbytes=tuple((1.0 - (1.0 - min(x, 1.0)) ** tokens) * p_e * wb for x in f),

@@ -91,11 +91,11 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     embed_wb = bytes_per_element("fp16") if spec.weight_dtype in QUANTISED else wb
     blocks = [Block("embed", "embed", None, spec.embed_params() * embed_wb, streamable=False)]
     for l in range(spec.n_layers):
-        blocks.append(Block(f"attn_{l}", "attn", l, spec.attn_params() * wb,
+        blocks.append(Block(f"attn_{l}", "attn", l, spec.block_weight_bytes("attn"),
                             kv_bytes=wl.batch * wl.context_len * kv_tok, kv_bytes_per_token=kv_tok))
         mlp_kind = "moe" if spec.is_moe_layer(l) else "mlp"
-        blocks.append(Block(f"{mlp_kind}_{l}", mlp_kind, l, spec.mlp_params(l) * wb))
-    blocks.append(Block("head", "head", None, spec.head_params() * wb))
+        blocks.append(Block(f"{mlp_kind}_{l}", mlp_kind, l, spec.block_weight_bytes(mlp_kind, l)))
+    blocks.append(Block("head", "head", None, spec.block_weight_bytes("head")))
 
     qkv_bytes = (spec.q_dim + spec.kv_elems_per_token()) * act
     stages = {}

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from hetplan.canonical import rounded
-from hetplan.dtypes import bytes_per_element, check_dtype, row_bytes
+from hetplan.dtypes import QUANTISED, bytes_per_element, check_dtype, packed_bytes, row_bytes
 from hetplan.errors import HetplanError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gpt2", "mixtral", "qwen3_moe", "deepseek_v3")
@@ -163,6 +163,51 @@ class ModelSpec:
         if self.is_moe_layer(l):
             return self.moe_shared_params() + self.experts_per_token * self.expert_params()
         return self.dense_mlp_params()
+
+    def linear_shapes(self, kind: str) -> list:
+        """[rows, cols] of each linear weight of a block of ``kind`` (attn, mlp, moe, head;
+        an MoE block's routed experts last, three per expert), as the runtime stores them."""
+        d = self.hidden
+        if kind == "attn" and self.is_mla:
+            qk, h = self.qk_nope_head_dim + self.qk_rope_head_dim, self.n_heads
+            q = ([(self.q_lora_rank, d), (h * qk, self.q_lora_rank)] if self.q_lora_rank else [(h * qk, d)])
+            return q + [(self.kv_lora_rank + self.qk_rope_head_dim, d),
+                        (h * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank), (d, self.attn_out_dim)]
+        if kind == "attn":
+            kv = self.n_kv_heads * self.head_dim
+            return [(self.q_dim, d), (kv, d), (kv, d), (d, self.attn_out_dim)]
+        if kind == "mlp":
+            f = self.intermediate
+            return [(f, d)] * (2 if self.gated_mlp else 1) + [(d, f)]
+        if kind == "moe":
+            expert = [(self.moe_intermediate, d)] * 2 + [(d, self.moe_intermediate)]
+            shared = [(self.n_shared_experts * self.moe_intermediate, d)] * 2 + [
+                (d, self.n_shared_experts * self.moe_intermediate)] if self.n_shared_experts else []
+            return [(self.n_experts, d)] + shared + expert * self.n_experts
+        if kind == "head":
+            return [(self.vocab, d)]
+        return []
+
+    def block_weight_bytes(self, kind: str, layer: int | None = None) -> float:
+        """Bytes of a block's weights as the runtime holds them: params * bytes per element; in
+        a quantised dtype each linear packed (``dtypes.packed_bytes``) and the norms and biases
+        at fp32 (the widest compute dtype). deepseek_v3 MoE layers add the router's score
+        correction bias (E values, a buffer rather than a parameter)."""
+        params = {"attn": self.attn_params, "head": self.head_params}.get(kind)
+        params = params() if params else self.mlp_params(layer)
+        kind = "moe" if kind in ("mlp", "moe") and self.is_moe_layer(layer) else kind
+        extra = self.n_experts if kind == "moe" and self.arch == "deepseek_v3" else 0
+        if self.weight_dtype not in QUANTISED:
+            return (params + extra) * self.weight_bytes_per_param
+        shapes = self.linear_shapes(kind)
+        vectors = params - sum(r * c for r, c in shapes)
+        return sum(packed_bytes(self.weight_dtype, r, c) for r, c in shapes) + 4.0 * (vectors + extra)
+
+    def expert_bytes(self) -> float:
+        """Bytes of one routed expert's weights as the runtime holds them."""
+        if self.weight_dtype not in QUANTISED:
+            return self.expert_params() * self.weight_bytes_per_param
+        return sum(packed_bytes(self.weight_dtype, r, c) for r, c in self.linear_shapes("moe")[-3:])
 
     def embed_params(self) -> int:
         p = self.vocab * self.hidden

@@ -14,9 +14,9 @@ valid typed view.
   flattened tensor. in / 2 + 4 B per row.
 - ``q4_k_m``: super-blocks of 256 = 8 sub-blocks of 32. Per sub-block j: an fp16 scale d_j and
   an 8-bit min index m_j; per super-block one fp32 min scale dmin; weights x = d_j * q - dmin * m_j
-  with 4-bit q in [0, 15]. 4 + 8 * 2 + 8 + 128 = 156 B / 256 weights = 4.875 bits, 0.5% above
-  the planner's 4.85 (GGUF's q4_k_m mixes 4.5-bit q4_K and 6.5625-bit q6_K tensors; this
-  format is one fixed rate, not bit-compatible with GGUF).
+  with 4-bit q in [0, 15]. 4 + 8 * 2 + 8 + 128 = 156 B / 256 weights = 4.875 bits, the rate the
+  planner prices (GGUF's q4_k_m mixes 4.5-bit q4_K and 6.5625-bit q6_K tensors, about 4.85
+  bits; this format is one fixed rate, not bit-compatible with GGUF).
 All scales are computed in fp32 (then rounded to their stored dtype); rounding is half to even.
 
 KV-cache rows (``quantise_rows``/``dequantise_rows``): each row (one token's values) is

@@ -29,7 +29,7 @@ def small(**kw):
     ("fp32", 4.0), ("fp16", 2.0), ("bf16", 2.0), ("int8", 1.0),
     ("q8_0", 34 / 32),     # 32 int8 weights + one fp16 scale per block of 32
     ("q4_0", 18 / 32),     # 32 nibbles (16 bytes) + one fp16 scale: 4.5 bits
-    ("q4_k_m", 4.85 / 8),  # q4_k / q6_k super-blocks mixed: 4.85 bits on llama-class models
+    ("q4_k_m", 156 / 256),  # super-blocks of 256: fp32 min scale + 8 fp16 scales + 8 mins + 128 B of nibbles
 ])
 def test_bytes_per_weight_include_quantisation_scales(dtype, nbytes):
     assert bytes_per_element(dtype) == pytest.approx(nbytes, rel=1e-12)
@@ -43,10 +43,21 @@ def test_attention_and_mlp_parameters_counted_by_hand():
 
 
 def test_block_weight_bytes_are_params_times_bytes_per_weight():
-    spec = small(weight_dtype="q4_k_m")
+    spec = small(weight_dtype="fp16")
     g = block_graph(spec, Workload(batch=1, prompt_len=8, gen_len=8))
-    assert g.block("attn_0").weight_bytes == pytest.approx(12352 * 4.85 / 8, rel=1e-12)
-    assert g.block("mlp_0").weight_bytes == pytest.approx(18496 * 4.85 / 8, rel=1e-12)
+    assert g.block("attn_0").weight_bytes == 12352 * 2
+    assert g.block("mlp_0").weight_bytes == 18496 * 2
+
+
+def test_quantised_block_bytes_are_packed_linears_and_fp32_norms():
+    """q4_k_m: each linear 156 B per 256 weights (16-byte aligned), the norm 64 x 4 B."""
+    g = block_graph(small(weight_dtype="q4_k_m"), Workload(batch=1, prompt_len=8, gen_len=8))
+    q, kv = 156 * 64 * 64 // 256, 156 * 64 * 32 // 256           # 2496 and 1248, both multiples of 16
+    assert g.block("attn_0").weight_bytes == 2 * q + 2 * kv + 64 * 4
+    assert g.block("mlp_0").weight_bytes == 3 * (156 * 64 * 96 // 256) + 64 * 4
+    i8 = block_graph(small(weight_dtype="int8"), Workload(batch=1, prompt_len=8, gen_len=8))
+    rows = lambda r, c: -(-(r * (c + 4)) // 16) * 16  # noqa: E731 - an fp32 scale per row, aligned
+    assert i8.block("attn_0").weight_bytes == rows(64, 64) * 2 + rows(32, 64) * 2 + 64 * 4
 
 
 def test_linear_is_two_flops_per_weight_per_token_and_reads_weights_once():
