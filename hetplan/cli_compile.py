@@ -67,6 +67,9 @@ Examples:
                    "every machine); when hit, the status says node_limit with the MIP gap.")
 @click.option("--mip-gap", default=_DEFAULTS["mip_gap"].default, show_default=True, type=float, metavar="REL",
               help="ILP relative optimality gap at which the search stops and calls the plan optimal.")
+@click.option("--stream-cold-experts", is_flag=True,
+              help="MoE models: let the ILP also stream a resident layer's CPU-side experts to the GPU "
+                   "per phase (pays for long prefills; the MILP gets several times slower to solve).")
 @click.option("--routing", default=None, metavar="FILE",
               help="Routing statistics of an MoE model (written by `hetplan exec --record-routing`): "
                    "the hottest experts of each layer are the ones kept on the GPU. Uniform when absent. "
@@ -82,7 +85,8 @@ Examples:
               help="Print one JSON object (path, predicted, memory, solver with solve_seconds, notes"
                    "[, compare]) to stdout and nothing else there.")
 def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, weight_dtype, kv_dtype,
-            gpu_mem, cpu_mem, time_limit_s, max_nodes, mip_gap, routing, dump_lp, compare, as_json):
+            gpu_mem, cpu_mem, time_limit_s, max_nodes, mip_gap, stream_cold_experts, routing, dump_lp, compare,
+            as_json):
     """Plan MODEL on a machine and write the plan.
 
     MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
@@ -96,7 +100,8 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     req = CompileRequest(model=model, hw=hw, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
                          objective=objective, strategy=strategy, weight_dtype=weight_dtype,
                          kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
-                         max_nodes=max_nodes, mip_gap=mip_gap, routing=routing, dump_lp=dump_lp)
+                         max_nodes=max_nodes, mip_gap=mip_gap, stream_cold_experts=stream_cold_experts,
+                         routing=routing, dump_lp=dump_lp)
     plan, solve_s = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)

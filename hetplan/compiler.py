@@ -47,6 +47,7 @@ class CompileRequest:
     time_limit_s: float = 120.0
     max_nodes: int = 30
     mip_gap: float = 1e-4
+    stream_cold_experts: bool = False
     routing: str | dict | None = None
     """Routing statistics of an MoE model: a file path (``--routing``) or the parsed document
     (what a plan records, so that it recompiles without the file)."""
@@ -65,6 +66,8 @@ class CompileRequest:
             d["routing"] = json.loads(routing.to_json())
         if d["mip_gap"] == 1e-4:
             d.pop("mip_gap")
+        if not d["stream_cold_experts"]:
+            d.pop("stream_cold_experts")
         return d
 
 
@@ -119,7 +122,7 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
         info = {"strategy": name, "status": "heuristic", "mip_gap": None, "lower_bound_s": None, "options": {}}
         return dec, info, time.perf_counter() - t0
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
-                          dump_lp=req.dump_lp)
+                          stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp)
     res = ilp.solve(problem, opts)
     if res.decision is not None and res.objective_s is None:
         # No GPU: the all-CPU plan is the only placement, so it is its own bound.

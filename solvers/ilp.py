@@ -48,6 +48,9 @@ class IlpOptions:
     """Branch-and-bound nodes per MILP solved: the deterministic limit (same plan on every machine)."""
     mip_rel_gap: float = 1e-4
     threads: int = 1
+    stream_cold: bool = False
+    """Also consider streaming a resident MoE block's cold experts per phase (exact, but it
+    makes MoE models several times slower to solve)."""
     dump_lp: str | None = None
 
 
@@ -69,7 +72,8 @@ class IlpResult:
 class _Model:
     """The MILP for one staging depth, with handles on the variables the decision is read from."""
 
-    def __init__(self, problem: Problem, depth: int, slot_bytes: float | None = None, tag: str = ""):
+    def __init__(self, problem: Problem, depth: int, slot_bytes: float | None = None, tag: str = "",
+                 stream_cold: bool = False):
         """``slot_bytes``: a fixed staging slot size (only blocks no larger are streamed; the
         slots cost ``depth * slot_bytes`` of HBM), or None for a slot sized by the model."""
         self.problem, self.depth, self.slot_bytes = problem, depth, slot_bytes
@@ -88,7 +92,7 @@ class _Model:
         for st in problem.graph.stages["decode"]:
             if st.follows == "kv":
                 self.has_core[st.block] = True
-        self.xv = ExpertVars(self.prob, problem, self.r, slot_bytes)
+        self.xv = ExpertVars(self.prob, problem, self.r, slot_bytes if stream_cold else None, depth)
         resident = {b.name: (b.weight_bytes / unit) * self.r[b.name] for b in blocks}
         resident.update({b: self.xv.resident_units(b, unit) for b in self.xv.layers})
         # (3) constraint families on placement and memory ----------------------------------
@@ -449,7 +453,8 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
         tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
         dump = f"{opts.dump_lp.removesuffix('.lp')}{tag}.lp" if opts.dump_lp else None
         found = [r.objective_s for r in results if r.decision is not None]
-        res = _Model(problem, depth, slot).solve(IlpOptions(**{**opts.__dict__, "dump_lp": dump}),
+        res = _Model(problem, depth, slot, stream_cold=opts.stream_cold).solve(
+            IlpOptions(**{**opts.__dict__, "dump_lp": dump}),
                                                  cutoff_s=min(found) if found else None, start=start)
         if res.decision is None and found and res.status in ("infeasible", "objective_bound"):
             # nothing better than the cutoff exists at this depth: the cutoff is its bound

@@ -31,10 +31,11 @@ MS = 1e3
 class ExpertVars:
     """The expert-count variables of every MoE block and their linking constraints."""
 
-    def __init__(self, prob, problem, r, slot_bytes: float | None = None):
+    def __init__(self, prob, problem, r, slot_bytes: float | None = None, depth: int = 1):
         """``slot_bytes``: the configuration's fixed staging slot; cold experts that fit in it
-        may be streamed (a phase's ``u``), none when None."""
-        self.prob, self.problem, self.r = prob, problem, r
+        may be streamed (a phase's ``u``) where that can pay (``_stream_can_pay``), none when
+        None. ``depth``: the configuration's staging depth."""
+        self.prob, self.problem, self.r, self.depth = prob, problem, r, depth
         self.layers = problem.experts.get("decode", {})
         self.m, self.classes, self.cold = {}, {}, {}
         self.u, self.w = {}, {}
@@ -72,6 +73,8 @@ class ExpertVars:
             w_bcp <= |c| u_bp,   w_bcp <= cold_bc,   w_bcp >= cold_bc - |c| (1 - u_bp)."""
         prob = self.prob
         for p in ("prefill", "decode"):
+            if not self._stream_can_pay(p, b, fit):
+                continue
             u = pulp.LpVariable(f"u_cold_{b}_{p}", cat="Binary")
             self.u[b, p] = u
             prob += u <= q, f"stream_needs_cold_{b}_{p}"
@@ -82,6 +85,27 @@ class ExpertVars:
                 prob += w <= size * u, f"w_needs_u_{b}_{i}_{p}"
                 prob += w <= self._cold(b, i), f"w_at_most_cold_{b}_{i}_{p}"
                 prob += w >= self._cold(b, i) - size * (1 - u), f"w_all_cold_{b}_{i}_{p}"
+
+    def _stream_can_pay(self, p, b, fit: int) -> bool:
+        """False when streaming block b's cold experts in phase p is dominated for every count
+        it could stream: the load starts after block b - depth ends, so with depth 2 it hides at
+        most behind block b - 1 (every stage at its slower device, plus its copies) and with
+        depth 1 behind nothing; if for each n in [E - fit, E - 1]
+            t_load(E - n) + t_route + t_hot(E)  >=  hide + t_split(n),
+        running the cold experts on the CPU ends block b no later, adds no load to the h2d
+        queue and needs no more memory, so no plan is lost by leaving the option out."""
+        x = self.problem.experts[p][b]
+        names = [blk.name for blk in self.problem.blocks]
+        hide = 0.0
+        if self.depth >= 2:
+            prev = names[names.index(b) - 1]
+            hide = sum(max(c.gpu_s, c.cpu_s) + c.up_s + c.down_s
+                       for c in self.problem.stages[p] if c.stage.block == prev)
+        split = x.split_s_all()
+        streamed = x.route_s() + x.hot_s(x.n_experts)
+        e = x.n_experts
+        return any(x.h2d.seconds(0.0, (e - n) * x.expert_bytes) + streamed < hide + split[n]
+                   for n in range(max(0, e - fit), e))
 
     def streamed(self, b, p) -> bool:
         return (b, p) in self.u

@@ -73,22 +73,31 @@ def enumerated(routing: str, workload: str):
     return _ROWS[key]
 
 
+def streams_cold(dec) -> bool:
+    return any(dec.weights[b] == "gpu" and e == "stream" for ph in dec.exec.values() for b, e in ph.items())
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream-cold", "cold-on-cpu"])
 @pytest.mark.parametrize("objective", ["latency", "tpot"])
 @pytest.mark.parametrize("share", GPU_SHARES)
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 @pytest.mark.parametrize("routing", list(ROUTING))
-def test_ilp_expert_counts_match_the_best_enumerated_decision(routing, workload, share, objective):
+def test_ilp_expert_counts_match_the_best_enumerated_decision(routing, workload, share, objective, stream):
+    """With ``--stream-cold-experts`` over every decision; without, over those that keep a
+    resident block's cold experts on the CPU."""
     roomy, rows = enumerated(routing, workload)
     total = sum(b.weight_bytes + b.kv_bytes for b in roomy.blocks)
     gpu_budget = math.ceil(roomy.gpu_workspace_bytes + share * total)
     hw = tiny_node(1, 64).with_budgets(gpu_mem=gpu_budget)
     wl = dataclasses.replace(WORKLOADS[workload], objective=objective)
     value = (lambda r: r[1] + wl.gen_len * r[2]) if objective == "latency" else (lambda r: r[2])
-    feasible = [r for r in rows if r[3] <= gpu_budget and r[4] <= hw.cpu_budget_bytes()]
+    feasible = [r for r in rows if r[3] <= gpu_budget and r[4] <= hw.cpu_budget_bytes()
+                and (stream or not streams_cold(r[0]))]
     best = min(feasible, key=value)
 
     problem = build_problem(SPEC, hw, wl, routing=ROUTING[routing])
-    dec, info, _ = decide(problem, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny", objective=objective))
+    req = CompileRequest(model="tiny-moe", hw="tiny", stream_cold_experts=stream, objective=objective)
+    dec, info, _ = decide(problem, "ilp", None, req)
     plan = make_plan(problem, dec, info)
     assert fits(plan)
     check_plan(plan)
@@ -117,7 +126,7 @@ def test_the_hottest_experts_are_the_ones_on_the_gpu(share):
     total = sum(b.weight_bytes + b.kv_bytes for b in roomy.blocks)
     hw = tiny_node(1, 64).with_budgets(gpu_mem=math.ceil(roomy.gpu_workspace_bytes + share * total))
     problem = build_problem(SPEC, hw, WORKLOADS["chat"], routing=ROUTING["skewed"])
-    dec, info, _ = decide(problem, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny"))
+    dec, info, _ = decide(problem, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny", stream_cold_experts=True))
     entry = next(p for p in make_plan(problem, dec, info).placement if p["block"] == "moe_0")
     n = entry["experts_on_gpu"]
     assert entry["weights"] == "gpu" and 0 < n < E, entry
@@ -165,7 +174,7 @@ def test_a_long_prompt_streams_cold_experts_in_prefill_and_keeps_them_on_the_cpu
     spec = dataclasses.replace(SPEC, n_layers=4, n_experts=8)
     wl = Workload(batch=4, prompt_len=1024, gen_len=32)
     problem = build_problem(spec, tiny_node(600 / 1024, 64), wl)
-    dec, info, _ = decide(problem, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny"))
+    dec, info, _ = decide(problem, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny", stream_cold_experts=True))
     plan = make_plan(problem, dec, info)
     check_plan(plan)
     moe = [p for p in plan.placement if p["kind"] == "moe"]
