@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from hetplan.dtypes import bytes_per_element
 from hetplan.errors import HetplanError, InfeasibleError
-from hetplan.evaluate import fits, make_plan, memory_report, objective_s, predictions
+from hetplan.evaluate import fits, make_plan, objective_s, predictions
 from hetplan.hardware import HardwareSpec, load_node
 from hetplan.model import ModelSpec
 from hetplan.models import load_model
@@ -144,15 +144,10 @@ def _at_least_baselines(problem: Problem, dec, info):
     from hetplan.solvers import baselines
 
     best, best_obj = dec, objective_s(problem, predictions(problem, build_schedule(problem, dec)))
-    for name, fn in baselines.applicable(problem).items():
-        cand = fn(problem)
-        mem = memory_report(problem, cand)[0]
-        if mem["gpu_bytes"] > problem.gpu_budget_bytes or mem["cpu_bytes"] > problem.cpu_budget_bytes:
-            continue
-        obj = objective_s(problem, predictions(problem, build_schedule(problem, cand)))
-        if obj < best_obj:
-            best, best_obj = cand, obj
-            info = dict(info, incumbent=f"baseline {name}")
+    name, cand, obj = baselines.best_fitting(problem)
+    if obj < best_obj:
+        best, best_obj = cand, obj
+        info = dict(info, incumbent=f"baseline {name}")
     if info.get("lower_bound_s") is not None and best_obj > 0:
         info = dict(info, mip_gap=max(0.0, (best_obj - info["lower_bound_s"]) / best_obj))
     return best, info

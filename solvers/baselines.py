@@ -142,18 +142,19 @@ def applicable(problem: Problem) -> dict:
     return {**BASELINES, **MOE_BASELINES} if problem.model.is_moe else dict(BASELINES)
 
 
-def best_fitting(problem: Problem) -> Decision | None:
-    """The baseline with the least objective among those that fit the budgets, or None."""
+def best_fitting(problem: Problem) -> tuple:
+    """(name, decision, objective in s) of the baseline with the least objective among those
+    that fit the budgets; (None, None, inf) when none fits."""
     from hetplan.evaluate import memory_report, objective_s, predictions
     from hetplan.schedule import build_schedule
 
-    best, best_obj = None, float("inf")
+    best = (None, None, float("inf"))
     for name, fn in applicable(problem).items():
         dec = fn(problem)
         mem = memory_report(problem, dec)[0]
         if mem["gpu_bytes"] > problem.gpu_budget_bytes or mem["cpu_bytes"] > problem.cpu_budget_bytes:
             continue
         obj = objective_s(problem, predictions(problem, build_schedule(problem, dec)))
-        if obj < best_obj:
-            best, best_obj = dec, obj
+        if obj < best[2]:
+            best = (name, dec, obj)
     return best

@@ -447,7 +447,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
         from hetplan.solvers.baselines import all_cpu
         return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
     from hetplan.solvers.baselines import best_fitting
-    start = best_fitting(problem)
+    start = best_fitting(problem)[1]
     results = []
     for depth, slot in configurations(problem, opts.depths):
         tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
