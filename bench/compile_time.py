@@ -34,16 +34,25 @@ def dense_presets() -> list:
                   key=lambda n: specs[n].total_params())
 
 
-def measure(model: str, node: str, repeats: int, time_limit_s: float) -> list:
+def median_compile(req: CompileRequest, repeats: int):
+    """(median wall seconds of ``compile_plan(req)`` over ``repeats`` runs, the last plan), or
+    None when the request is infeasible."""
     times, plan = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
         try:
-            plan, _ = compile_plan(CompileRequest(model=model, hw=node, time_limit_s=time_limit_s))
+            plan, _ = compile_plan(req)
         except InfeasibleError:
-            return [model, node, "-", "infeasible", "-", "-", "-"]
+            return None
         times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
+    return statistics.median(times), plan
+
+
+def measure(model: str, node: str, repeats: int, time_limit_s: float) -> list:
+    timed = median_compile(CompileRequest(model=model, hw=node, time_limit_s=time_limit_s), repeats)
+    if timed is None:
+        return [model, node, "-", "infeasible", "-", "-", "-"]
+    med, plan = timed
     status, gap = plan.solver["status"], plan.solver["mip_gap"]
     ok = med <= TARGET_S and status == "optimal" and gap <= TARGET_GAP
     return [model, node, f"{med:.3f}", status, f"{gap:.1e}", plan.model.weight_dtype, "yes" if ok else "NO"]

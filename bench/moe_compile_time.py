@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 
-from hetplan.compiler import CompileRequest, compile_plan
-from hetplan.errors import InfeasibleError
+from compile_time import median_compile  # bench/compile_time.py, beside this script
+
+from hetplan.compiler import CompileRequest
 from hetplan.report import format_table
 
 SCENARIOS = (("deepseek-v3", "epyc-4090-512g"), ("qwen3-235b-a22b", "epyc-4090-512g"),
@@ -36,15 +35,10 @@ DEFAULTS = CompileRequest(model="-", hw="-")
 def measure(model: str, node: str, args: argparse.Namespace) -> list:
     req = CompileRequest(model=model, hw=node, weight_dtype=WEIGHT_DTYPE, max_nodes=args.max_nodes,
                          mip_gap=args.mip_gap, time_limit_s=args.time_limit)
-    times, plan = [], None
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        try:
-            plan, _ = compile_plan(req)
-        except InfeasibleError:
-            return [model, node, "-", "infeasible", "-", "-", "-"]
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
+    timed = median_compile(req, args.repeats)
+    if timed is None:
+        return [model, node, "-", "infeasible", "-", "-", "-"]
+    med, plan = timed
     status, gap = plan.solver["status"], plan.solver["mip_gap"]
     ok = med <= TARGET_S and status == "optimal" and gap <= TARGET_GAP
     return [model, node, f"{med:.2f}", status, f"{gap:.1e}", plan.solver["size"]["binaries"],

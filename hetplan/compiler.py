@@ -123,7 +123,8 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
         return dec, info, time.perf_counter() - t0
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
                           stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp)
-    res = ilp.solve(problem, opts)
+    baseline = baselines.best_fitting(problem) if problem.has_gpu else (None, None, float("inf"))
+    res = ilp.solve(problem, opts, start=baseline[1])
     if res.decision is not None and res.objective_s is None:
         # No GPU: the all-CPU plan is the only placement, so it is its own bound.
         obj = objective_s(problem, predictions(problem, build_schedule(problem, res.decision)))
@@ -136,15 +137,14 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     dec = res.decision
     if dec is not None and res.status != "optimal":
         # Not proven optimal: never hand out something worse than a baseline that fits.
-        dec, info = _at_least_baselines(problem, dec, info)
+        dec, info = _at_least_baselines(problem, dec, info, baseline)
     return dec, info, res.solve_seconds
 
 
-def _at_least_baselines(problem: Problem, dec, info):
-    from hetplan.solvers import baselines
-
+def _at_least_baselines(problem: Problem, dec, info, baseline: tuple):
+    """``dec``, or the best fitting baseline (``baselines.best_fitting``) when it is better."""
     best, best_obj = dec, objective_s(problem, predictions(problem, build_schedule(problem, dec)))
-    name, cand, obj = baselines.best_fitting(problem)
+    name, cand, obj = baseline
     if obj < best_obj:
         best, best_obj = cand, obj
         info = dict(info, incumbent=f"baseline {name}")

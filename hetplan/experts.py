@@ -38,6 +38,7 @@ Pure numbers; no solver, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 from hetplan import cost
@@ -95,24 +96,37 @@ class ExpertLayer:
         return len(self.ranked)
 
     # -- task work (flops, bytes) and seconds for n hot experts -----------------------------
+    @cached_property
+    def _first(self) -> dict:
+        """Sums over the n hottest experts, for n = 0 .. E: name -> [sum of the first n]."""
+        return {name: (0.0, *accumulate(getattr(self, name)))
+                for name in ("flops", "wbytes", "rows", "fraction")}
+
+    def _hot_sum(self, name: str, n: int) -> float:
+        return self._first[name][n]
+
+    def _cold_sum(self, name: str, n: int) -> float:
+        total = self._first[name]
+        return total[-1] - total[n]
+
     def route_work(self) -> tuple[float, float]:
         return self.route_flops, self.route_bytes
 
     def hot_work(self, n: int) -> tuple[float, float]:
-        return (self.shared_flops + sum(self.flops[:n]),
-                self.shared_bytes + sum(self.wbytes[:n]) + 2 * sum(self.rows[:n]))
+        return (self.shared_flops + self._hot_sum("flops", n),
+                self.shared_bytes + self._hot_sum("wbytes", n) + 2 * self._hot_sum("rows", n))
 
     def cold_work(self, n: int) -> tuple[float, float]:
-        return sum(self.flops[n:]), sum(self.wbytes[n:]) + 2 * sum(self.rows[n:])
+        return self._cold_sum("flops", n), self._cold_sum("wbytes", n) + 2 * self._cold_sum("rows", n)
 
     def down_bytes(self, n: int) -> float:
-        return sum(self.rows[n:]) + INDEX_BYTES * self.tokens * sum(self.fraction[n:])
+        return self._cold_sum("rows", n) + INDEX_BYTES * self.tokens * self._cold_sum("fraction", n)
 
     def up_bytes(self, n: int) -> float:
-        return sum(self.rows[n:])
+        return self._cold_sum("rows", n)
 
     def merge_bytes(self, n: int) -> float:
-        return 2 * self.act_bytes + sum(self.rows[n:])
+        return 2 * self.act_bytes + self._cold_sum("rows", n)
 
     def route_s(self) -> float:
         return self.gpu.seconds(*self.route_work())
@@ -140,28 +154,10 @@ class ExpertLayer:
         cpu_side = self.down_s(n) + self.cold_s(n) + self.up_s(n)
         return self.route_s() + max(self.hot_s(n), cpu_side) + self.merge_s(n)
 
-    def split_s_all(self) -> list:
-        """``split_s(n)`` for n = 0 .. E, in O(E) (prefix sums)."""
-        e = self.n_experts
-        pre = lambda v: [0.0, *accumulate(v)]  # noqa: E731
-        fl, wb, rows, fr = pre(self.flops), pre(self.wbytes), pre(self.rows), pre(self.fraction)
-        route = self.route_s()
-        out = []
-        for n in range(e + 1):
-            hot = self.gpu.seconds(self.shared_flops + fl[n], self.shared_bytes + wb[n] + 2 * rows[n])
-            if n == e:
-                out.append(route + hot)
-                continue
-            c_rows = rows[e] - rows[n]
-            cpu_side = (self.d2h.seconds(0.0, c_rows + INDEX_BYTES * self.tokens * (fr[e] - fr[n]))
-                        + self.cpu.seconds(fl[e] - fl[n], wb[e] - wb[n] + 2 * c_rows)
-                        + self.h2d.seconds(0.0, c_rows))
-            out.append(route + max(hot, cpu_side) + self.gpu.seconds(0.0, 2 * self.act_bytes + c_rows))
-        return out
-
-    def gpu_bytes(self, n: int) -> float:
-        """Resident HBM bytes of the block with n hot experts."""
-        return self.dense_bytes + n * self.expert_bytes
+    @cached_property
+    def split_times(self) -> tuple:
+        """``split_s(n)`` for n = 0 .. E."""
+        return tuple(self.split_s(n) for n in range(self.n_experts + 1))
 
     def classes(self) -> list[tuple[int, int]]:
         """Runs of consecutive ranks with equal fractions: [(first rank, size)]. Experts of one

@@ -438,16 +438,19 @@ def configurations(problem: Problem, depths) -> list:
     return [(d, w) for d in depths for w in sizes] + [(1, 0.0)]
 
 
-def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
+def solve(problem: Problem, opts: IlpOptions | None = None, start: Decision | None = None) -> IlpResult:
     """Solve the MILP of every configuration (``configurations``: staging depths of
     ``opts.depths``, and for MoE models slot sizes); return the best decision, with the bound
-    and gap over all of them (the optimum is >= the least configuration bound)."""
+    and gap over all of them (the optimum is >= the least configuration bound). ``start``:
+    HiGHS's first incumbent in each configuration that can express it (default: the best
+    baseline that fits)."""
     opts = opts or IlpOptions()
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
         return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
-    from hetplan.solvers.baselines import best_fitting
-    start = best_fitting(problem)[1]
+    if start is None:
+        from hetplan.solvers.baselines import best_fitting
+        start = best_fitting(problem)[1]
     results = []
     for depth, slot in configurations(problem, opts.depths):
         tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"

@@ -101,7 +101,7 @@ class ExpertVars:
             prev = names[names.index(b) - 1]
             hide = sum(max(c.gpu_s, c.cpu_s) + c.up_s + c.down_s
                        for c in self.problem.stages[p] if c.stage.block == prev)
-        split = x.split_s_all()
+        split = x.split_times
         streamed = x.route_s() + x.hot_s(x.n_experts)
         e = x.n_experts
         return any(x.h2d.seconds(0.0, (e - n) * x.expert_bytes) + streamed < hide + split[n]
@@ -165,10 +165,10 @@ class ExpertVars:
 
     def min_split_s(self, p, b) -> float:
         """Least duration of block b resident on the GPU over every expert count."""
-        return min(self.problem.experts[p][b].split_s_all())
+        return min(self.problem.experts[p][b].split_times)
 
     def max_split_s(self, p, b) -> float:
-        return max(self.problem.experts[p][b].split_s_all())
+        return max(self.problem.experts[p][b].split_times)
 
     def streams_cold(self, b, p) -> bool:
         return (b, p) in self.u and (self.u[b, p].value() or 0.0) > 0.5

@@ -27,7 +27,7 @@ from hetplan.runtime.moe_reference import ReferenceModel  # noqa: E402
 from hetplan.runtime.moe_weights import (block_tensors, group_by_block, moe_layer_from_tensors,  # noqa: E402
                                          weight_key)
 from hetplan.workload import Workload  # noqa: E402
-from tiny_models import MOE_FAMILIES, randomise_moe
+from tiny_models import MOE_FAMILIES, saved_moe_model
 
 VOCAB = 128
 _DEEPSEEK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -62,12 +62,7 @@ def tiny(tmp_path_factory):
 
     def get(family):
         if family not in built:
-            config_cls, model_cls, kw = FAMILIES[family]
-            torch.manual_seed(0)
-            model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw)).eval()
-            randomise_moe(model)
-            path = tmp_path_factory.mktemp(family)
-            model.save_pretrained(path)
+            model, path = saved_moe_model(FAMILIES, family, tmp_path_factory)
             built[family] = (model, load_model(str(path)), path)
         return built[family]
 
