@@ -124,7 +124,7 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
                           stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp)
     baseline = baselines.best_fitting(problem) if problem.has_gpu else (None, None, float("inf"))
-    res = ilp.solve(problem, opts, start=baseline[1])
+    res = ilp.solve(problem, opts)
     if res.decision is not None and res.objective_s is None:
         # No GPU: the all-CPU plan is the only placement, so it is its own bound.
         obj = objective_s(problem, predictions(problem, build_schedule(problem, res.decision)))

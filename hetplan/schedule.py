@@ -9,8 +9,13 @@ dependency edges. Times are the earliest start of each task given both (a longes
 The ILP encodes the same rules as constraints in its own code; the simulator replays the result
 independently.
 
-Queue order on ``h2d`` (weight loads): block order; the load of block j + depth is issued when
-block j finishes and frees a staging slot (the first ``depth`` loads at once). On ``d2h``: the
+Queue order on ``h2d`` (weight loads): block order. With one staging slot (depth 1) the load of
+block b is issued when block b - 1 finishes (and frees the slot); with two (depth 2, double
+buffering) when block b - 1 is ready to start: after the task its first stage waits on (block
+b - 2's last stage, or the copy of b - 1's input), by which time b - 2, the last user of b's
+slot, has finished. Either way a load never waits for the one before it, so a streamed block
+starts at  S_b = max(E_(b-1) + copy_b, W_b + load_b)  with W_b = E_(b-1) (depth 1) or S_(b-1)
+(depth 2): the makespan is a sum over consecutive pairs of blocks, which the solvers use. On ``d2h``: the
 prompt-KV downloads, in stage order. Activation copies between stages on different devices are a
 few KB to MB and ride their own lanes (``h2d_act``, ``d2h_act``: separate high-priority streams),
 so they never queue behind a prefetch of a whole block.
@@ -69,6 +74,8 @@ def streamed_slots(problem: Problem, dec: Decision, phase: str) -> dict:
 
 
 def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
+    if dec.depth not in (1, 2):
+        raise ValueError(f"staging depth must be 1 or 2, got {dec.depth}")
     costs = problem.stages[phase]
     names = [b.name for b in problem.blocks]
     index = {n: i for i, n in enumerate(names)}
@@ -76,6 +83,7 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
     compute, acts, h2d, d2h, edges = [], [], [], [], []
     last_stage = {}   # block -> id of its last stage
     first_stage = {}  # block -> id of its first stage
+    ready = {}        # block -> id of the task its first stage waits on in the chain
     prev_id, prev_dev = None, None
     for sc in costs:
         st = sc.stage
@@ -90,8 +98,10 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
                          duration_s=sc.up_s, bytes=st.in_bytes)
                 acts.append(x)
                 edges += [(prev_id, x.id), (x.id, tasks[0].id)]
+                ready[st.block] = x.id
             elif prev_id is not None:
                 edges.append((prev_id, tasks[0].id))
+                ready[st.block] = prev_id
             compute += [t for t in tasks if t.resource in ("gpu", "cpu")]
             acts += [t for t in tasks if t.resource not in ("gpu", "cpu")]
             edges += inner
@@ -107,6 +117,7 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
         if prev_id is not None:
             if prev_dev == dev:
                 edges.append((prev_id, t.id))
+                ready.setdefault(st.block, prev_id)
             else:
                 kind = "act_up" if dev == "gpu" else "act_down"
                 x = Task(id=f"{kind}/{st.id}", resource="h2d_act" if dev == "gpu" else "d2h_act",
@@ -114,6 +125,7 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
                          bytes=st.in_bytes)
                 acts.append(x)
                 edges += [(prev_id, x.id), (x.id, t.id)]
+                ready.setdefault(st.block, x.id)
         compute.append(t)
         if (phase == "prefill" and st.kind == "attn_core" and dev == "gpu" and dec.kv[st.block] == "cpu"):
             b = problem.graph.block(st.block)
@@ -135,8 +147,11 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
                  duration_s=secs, bytes=nbytes, slot=slots[name])
         edges.append((t.id, first_stage[name]))
         i = index[name]
-        if i >= dec.depth:
-            edges.append((last_stage[names[i - dec.depth]], t.id))
+        if i >= 1:
+            before = names[i - 1]
+            source = last_stage[before] if dec.depth == 1 else ready.get(before)
+            if source is not None:
+                edges.append((source, t.id))
         return t
 
     h2d += [load(n) for n in names if n in slots]

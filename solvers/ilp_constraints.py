@@ -11,12 +11,12 @@ Notation (per phase p; times in milliseconds inside the model, memory in GiB):
              is affine in (r_b, s_bp, k_b): stage times on the chosen devices plus the copies
              inside the block (decode attention beside a DRAM cache: q/k/v down and the output up,
              each exactly when g_b - k_b = 1)
-  L_b        start of the h2d load of block b's weights; ends at L_b + t_load(b) s_bp
   T_p        makespan of phase p
 A block's stages run back to back (no other task waits on them in between except the prompt-KV
 copy, which is given its own start time), so the stage chain of ``hetplan.schedule`` is modelled
 exactly per block. Tasks a placement does not create have zero length and provably delay nothing
-(loads sit on h2d in block order and their windows are monotone in b), so there is no big-M.
+(a load is issued when the block before it ends or starts, see ``add_load_edges``), so there is
+no big-M.
 """
 
 from __future__ import annotations
@@ -114,27 +114,25 @@ def add_chain(prob, S, E, pairs, xfer, p):
         prob += S[cur] >= E[prev] + xfer[cur], f"chain_{p}_{cur}"
 
 
-def add_load_edges(prob, S, E, L, EL, windows, p):
-    """A streamed block's weights arrive before its first stage and are copied no more than
-    ``depth`` blocks ahead (the staging slot it reuses is free once block b - depth finished):
-        S_b >= L_b + t_load(b) s_bp          L_b >= E_(b-depth).
-    Zero-length loads of blocks that are not streamed only wait for what their block (and every
-    later load) waits for anyway, so no switch is needed."""
-    for b, window_block in windows.items():
-        prob += S[b] >= EL[b], f"load_before_{p}_{b}"
-        if window_block is not None:
-            prob += L[b] >= E[window_block], f"slot_free_{p}_{b}"
+def add_load_edges(prob, S, issue, load, p):
+    """A streamed block's weights are copied when the block before it ends (depth 1: one slot)
+    or starts (depth 2: the other slot's last user, block b-2, has finished by then), and
+    arrive before its first stage:
+        S_b >= W_b + t_load(b) s_bp,     W_b = E_(b-1) (depth 1) or S_(b-1) (depth 2).
+    The h2d queue never delays a load: the previous load ended before its own block started,
+    which is no later than W_b. The first block's load is issued at 0."""
+    for b, t_load in load.items():
+        prob += S[b] >= issue.get(b, 0) + t_load, f"load_before_{p}_{b}"
 
 
-def add_window_pair_cuts(prob, S, E, y, pair_gap, p):
-    """Valid inequalities that convexify the overlap of a load with the block before it. With
-    window ``depth`` = 1 or 2 and w = b - depth:
-        S_b - E_w >= sum_(m,n) y_bp[m,n] * gap_b(m, n)
-    where gap_b(m, n) = max(t_load(b) [m = S], least time from E_w to S_b along the chain when b is
-    in mode m and b-1 in mode n). Both terms are lower bounds of S_b - E_w at every integral
+def add_window_pair_cuts(prob, S, issue, y, pair_gap, p):
+    """Valid inequalities that convexify the overlap of a load with the block before it:
+        S_b - W_b >= sum_(m,n) y_bp[m,n] * gap_b(m, n)
+    where gap_b(m, n) = max(t_load(b) [m = S], least time from W_b to S_b along the chain when b
+    is in mode m and b-1 in mode n). Both terms are lower bounds of S_b - W_b at every integral
     placement, so the cut is valid; it is what lets the LP see stalls."""
-    for (cur, w), gaps in pair_gap.items():
-        prob += S[cur] - E[w] >= pulp.lpSum(g * y[cur, m, n] for (m, n), g in gaps.items() if g > 0), \
+    for cur, gaps in pair_gap.items():
+        prob += S[cur] - issue[cur] >= pulp.lpSum(g * y[cur, m, n] for (m, n), g in gaps.items() if g > 0), \
             f"window_cut_{p}_{cur}"
 
 
