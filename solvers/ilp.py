@@ -314,7 +314,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
         return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
-    shape = layered(problem) if opts.count_layers else None
+    shape = layered(problem) if opts.count_layers and not opts.stream_cold else None
     results = []
     configs = configurations(problem, opts.depths, bool(problem.experts) or shape is not None)
     layer_models = {}

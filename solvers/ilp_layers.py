@@ -58,6 +58,8 @@ class BlockOption:
     """Streamed in (prefill, decode)."""
     k: int | None
     """KV cache in HBM (attention blocks), else None."""
+    hot: int | None = None
+    """Routed experts in HBM of a resident MoE block (the others run on the CPU), else None."""
 
     def g(self, p: str) -> int:
         return self.r + self.s[PHASES.index(p)]
@@ -73,9 +75,10 @@ class Layers:
 
 
 def layered(problem: Problem) -> Layers | None:
-    """The model as embed, identical layers, head, when it is one (and no block is split by
-    experts), else None."""
-    if problem.experts or not problem.has_gpu:
+    """The model as embed, identical layers, head, when it is one, else None. MoE layers count
+    as identical when their expert splits cost the same (uniform routing, or a profile that
+    routes every layer alike)."""
+    if not problem.has_gpu:
         return None
     blocks = problem.blocks
     if len(blocks) < 3 or blocks[0].streamable or any(b.layer is None for b in blocks[1:-1]) \
@@ -90,8 +93,10 @@ def layered(problem: Problem) -> Layers | None:
     costs = {p: block_costs(problem, p) for p in PHASES}
 
     def signature(b):
+        split = tuple((x.fraction, x.expert_bytes, x.dense_bytes, x.split_times)
+                      for x in (problem.experts.get(p, {}).get(b.name) for p in PHASES) if x is not None)
         return (b.kind, b.weight_bytes, b.kv_bytes, b.streamable, problem.load_s.get(b.name),
-                problem.kv_down_s.get(b.name),
+                problem.kv_down_s.get(b.name), split,
                 tuple((c.stage.kind, c.stage.follows, c.gpu_s, c.cpu_s, c.up_s, c.down_s)
                       for p in PHASES for c in costs[p][b.name]))
 
@@ -112,8 +117,11 @@ def block_options(problem: Problem, block, slot_bytes: float) -> list:
     exactly then when its attention is one stage)."""
     can_stream = block.streamable and 0 < block.weight_bytes <= slot_bytes
     core = _has_core(problem, block) if block.kind == "attn" else False
+    split = problem.experts.get("decode", {}).get(block.name)
     out = []
-    for r in (0, 1):
+    if split is not None:  # resident: any number of its routed experts (the hottest) in HBM
+        out += [BlockOption(1, (0, 0), None, n) for n in range(split.n_experts + 1)]
+    for r in (0, 1) if split is None else (0,):
         for s in itertools.product((0, 1), repeat=2) if can_stream and not r else [(0, 0)]:
             g = [r + x for x in s]
             if block.kind != "attn":
@@ -133,7 +141,16 @@ class _Prices:
         self.costs = {p: block_costs(problem, p) for p in PHASES}
 
     def duration(self, p, block, o: BlockOption) -> float:
+        if o.hot is not None:
+            return MS * self.problem.experts[p][block.name].split_times[o.hot]
         return duration_ms(self.costs[p][block.name], o.g(p), o.k or 0)
+
+    def gpu_bytes(self, block, o: BlockOption) -> float:
+        """HBM bytes of ``block``'s weights and KV cache in option ``o``."""
+        if o.hot is not None:
+            x = self.problem.experts["decode"][block.name]
+            return x.dense_bytes + o.hot * x.expert_bytes
+        return block.weight_bytes * o.r + (block.kv_bytes * o.k if o.k is not None else 0.0)
 
     def gap(self, p, prev, po: BlockOption, cur, co: BlockOption) -> float:
         """Least time between the end of block ``prev`` and the start of ``cur`` (ms)."""
@@ -206,12 +223,8 @@ class LayerModel:
             prob += self.T[p] == pulp.lpSum(c[p] * v for v, c in arcs.values() if c[p]), f"makespan_{p}"
         # memory per tier
         def tier_bytes(blocks, opts, on_gpu):
-            total = 0.0
-            for b, o in zip(blocks, opts):
-                total += b.weight_bytes * (o.r if on_gpu else 1 - o.r)
-                if o.k is not None:
-                    total += b.kv_bytes * (o.k if on_gpu else 1 - o.k)
-            return total / unit
+            gpu = sum(prices.gpu_bytes(b, o) for b, o in zip(blocks, opts))
+            return (gpu if on_gpu else sum(b.weight_bytes + b.kv_bytes for b in blocks) - gpu) / unit
 
         first_e = {e: pulp.lpSum(v for k, (v, _) in arcs.items() if k[:2] == ("E", e))
                    for e in range(len(self.first_opts))}
@@ -245,7 +258,7 @@ class LayerModel:
 
     @staticmethod
     def _key(o: BlockOption) -> tuple:
-        return (o.r, o.s, -1 if o.k is None else o.k)
+        return (o.r, o.s, -1 if o.k is None else o.k, -1 if o.hot is None else o.hot)
 
     def _flows(self) -> dict:
         """arc -> its integral flow in the solution."""
@@ -341,14 +354,16 @@ class LayerModel:
         for layer, o in zip(self.shape.layers, path):
             chosen += list(zip(layer, self.layer_opts[o]))
         chosen.append((self.shape.last, self.last_opts[h]))
-        weights, exec_, kv = {}, {p: {} for p in PHASES}, {}
+        weights, exec_, kv, experts = {}, {p: {} for p in PHASES}, {}, {}
         for b, o in chosen:
+            if o.hot is not None:
+                experts[b.name] = o.hot
             weights[b.name] = "gpu" if o.r else ("stream" if any(o.s) else "cpu")
             for i, p in enumerate(PHASES):
                 exec_[p][b.name] = "gpu" if o.r else ("stream" if o.s[i] else "cpu")
             if o.k is not None:
                 kv[b.name] = "gpu" if o.k else "cpu"
-        return Decision(weights, exec_, kv, depth=self.depth)
+        return Decision(weights, exec_, kv, depth=self.depth, experts=experts)
 
     def size(self) -> tuple:
         return (sum(1 for v in self.prob.variables() if v.cat == "Integer"), len(self.prob.constraints))

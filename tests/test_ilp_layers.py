@@ -133,3 +133,29 @@ def test_a_load_is_issued_when_the_block_before_ends_or_starts():
     assert t["load/mlp_0"].start_s == pytest.approx(t["attn_in/attn_0"].start_s)
     assert t["mlp/mlp_0"].start_s == pytest.approx(max(t["attn_out/attn_0"].end_s + t["act_up/mlp/mlp_0"].duration_s,
                                                         t["load/mlp_0"].end_s))
+
+
+MOE = dict(arch="mixtral", hidden=1024, n_heads=8, n_kv_heads=4, head_dim=128, vocab=8000, intermediate=2048,
+           n_experts=6, experts_per_token=2, moe_intermediate=2048)
+
+
+@pytest.mark.parametrize("gpu_fraction", [0.2, 0.45, 0.7])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_moe_layers_are_counted_with_their_expert_split(workload, gpu_fraction):
+    spec = tiny_spec(n_layers=3, **MOE)
+    wl = WORKLOADS[workload]
+    roomy = build_problem(spec, tiny_node(64, 64, **LINK), wl)
+    total = sum(b.weight_bytes + b.kv_bytes for b in roomy.blocks)
+    hw = tiny_node(64, 64, **LINK).with_budgets(gpu_mem=int(roomy.gpu_workspace_bytes + gpu_fraction * total),
+                                                cpu_mem=int(roomy.cpu_workspace_bytes + 1.2 * total))
+    problem = build_problem(spec, hw, wl)
+    assert layered(problem) is not None
+    exact = dict(mip_rel_gap=1e-9, max_nodes=1_000_000)
+    counted = ilp.solve(problem, ilp.IlpOptions(**exact))
+    per_block = ilp.solve(problem, ilp.IlpOptions(**exact, count_layers=False))
+    assert counted.status == per_block.status == "optimal"
+    assert counted.objective_s == pytest.approx(per_block.objective_s, rel=1e-7, abs=2e-9)
+    plan = make_plan(problem, counted.decision, {"strategy": "ilp"})
+    assert fits(plan)
+    assert plan.predicted["latency_s"] == pytest.approx(counted.objective_s, rel=1e-9)
+    check_plan(plan)
