@@ -63,8 +63,9 @@ Examples:
               help="ILP wall-clock limit per staging depth; when hit, the best plan found is kept, its "
                    "status says time_limit with the MIP gap, and it may differ between machines.")
 @click.option("--max-nodes", default=_DEFAULTS["max_nodes"].default, show_default=True, type=int, metavar="N",
-              help="ILP branch-and-bound nodes per staging depth: a deterministic limit (the same plan on "
-                   "every machine); when hit, the status says node_limit with the MIP gap.")
+              help="ILP branch-and-bound nodes per MILP solved (100 N for the count MILP of a model with "
+                   "identical layers): a deterministic limit (the same plan on every machine); when hit, "
+                   "the status says node_limit with the MIP gap.")
 @click.option("--mip-gap", default=_DEFAULTS["mip_gap"].default, show_default=True, type=float, metavar="REL",
               help="ILP relative optimality gap at which the search stops and calls the plan optimal.")
 @click.option("--stream-cold-experts", is_flag=True,

@@ -1,6 +1,8 @@
-"""The placement MILP: exact for the plan's task model, solved by HiGHS through PuLP.
+"""The placement MILPs: exact for the plan's task model, solved by HiGHS through PuLP.
 
-Steps: (1) variables, (2) the objective, (3) constraint families (``ilp_constraints``, one
+``solve`` runs one MILP per configuration (staging depth, slot size): the count MILP of
+``ilp_layers`` when the model's layers are all alike, else the per-block MILP below. For the
+per-block MILP, steps: (1) variables, (2) the objective, (3) constraint families (``ilp_constraints``, one
 function each with its math), (4) solve with a time limit, (5) read the decision and the true
 status and gap. The model is a pure function of the Problem; ``dump_lp`` writes it.
 
@@ -230,17 +232,10 @@ class _Model:
         t0 = time.perf_counter()
         status, info = run_highs(self.prob, solver)
         elapsed = time.perf_counter() - t0
-        n_bin = sum(1 for v in self.prob.variables() if v.cat == "Integer")
-        size = (n_bin, len(self.prob.constraints))
-        if info.primal_solution_status != 2:  # no feasible solution
-            bound = float("inf") if status == "infeasible" else info.mip_dual_bound / MS
+        size = (sum(1 for v in self.prob.variables() if v.cat == "Integer"), len(self.prob.constraints))
+        obj, bound = self.weights.read(self.T, status, info)
+        if obj == float("inf"):  # no feasible solution
             return IlpResult(None, status, float("inf"), float("inf"), bound, elapsed, *size)
-        t_ms = {p: self.T[p].value() for p in PHASES}
-        weighted = self.weights.weighted_ms(t_ms)
-        weighted_bound = weighted * (1 - max(0.0, info.mip_gap)) if status == "optimal" else \
-            min(weighted, info.mip_dual_bound)
-        obj = self.weights.stated_s(t_ms)
-        bound = min(obj, self.weights.stated_bound_s(weighted_bound))
         return IlpResult(self.decision(), status, gap_of(obj, bound), obj, bound, elapsed, *size)
 
     # (5) read the decision ----------------------------------------------------------------------

@@ -1,37 +1,37 @@
-"""The layer-count MILP: the placement MILP of a model whose layers are all alike.
+"""The count MILP: the placement MILP of a model whose layers are all alike.
 
-A dense decoder is ``embed``, L identical layers (``attn_i``, ``mlp_i``) and ``head``. Under the
-schedule's rules its makespan is a sum over consecutive blocks (``hetplan.schedule``: a
-streamed block's load is issued when the block before it ends, depth 1, or starts, depth 2, so
-no queue ever delays it): block b adds its duration D_b and the gap before it,
+A decoder is ``embed``, L identical layers (``attn_i`` and ``mlp_i`` or ``moe_i``) and ``head``.
+Under the schedule's rules its makespan is a sum over consecutive blocks (``hetplan.schedule``:
+a streamed block's load is issued when the block before it ends, depth 1, or starts, depth 2,
+so no queue ever delays it): block b adds its duration D_b and the gap before it,
 
     gap_b = max(copy_b, t_load(b) s_bp - D_(b-1))   (depth 2)
     gap_b = max(copy_b, t_load(b) s_bp)             (depth 1)
 
 which depends on b and b-1 only. A placement is then a walk through the *options* of one
-layer (an option fixes, for every block of the layer, residence, per-phase streaming and the KV
-tier), and only how many layers take each option and how many consecutive pairs take each
-pair of options matter. The MILP counts them instead of deciding layer by layer; identical
-layers are no longer told apart, which is what makes the one-variable-per-block MILP
-(``ilp``) slow to prove optimality (its LP relaxation spreads memory evenly over the layers
-and branching on one layer's binaries just moves the fraction to another).
+layer (an option fixes, for every block of the layer, residence, per-phase streaming, the KV
+tier and, for a resident MoE block, how many routed experts are in HBM), and only how many
+layers take each option and how many consecutive pairs meet at each pair of block options
+matter. The MILP counts them instead of deciding layer by layer: identical layers are no longer
+told apart, which is what makes the per-block MILP (``ilp``) slow to prove optimality (its LP
+relaxation spreads memory evenly over the layers, and branching on one layer's binaries only
+moves the fraction to another).
 
-Variables, for the options O of a layer, E of the embedding and H of the head:
-  n_o  integer  layers in option o
-  x_oq integer  consecutive layer pairs in options (o, q)
-  a_eo binary   embedding in option e and the first layer in o
-  z_oh binary   the last layer in o and the head in h
-Flow:    n_o = sum_e a_eo + sum_q x_qo = sum_q x_oq + sum_h z_oh,   sum a = sum z = 1.
-Time:    T_p = sum a_eo (D_e + gap(e, o)) + sum n_o D_o + sum x_oq gap(o, q) + sum z_oh (gap(o, h) + D_h)
-         where D_o is the layer's duration in option o, gaps inside the layer included.
-Memory:  per tier as in ``ilp_constraints.add_memory``, with a fixed staging slot per model.
-Walks:   an integral flow is a path from embed to head plus, possibly, cycles of options that
-         the path never visits; those are cut off (a layer in a set S of options must be followed
-         by a layer outside S or by the head:  sum_(o in S, q not in S) x_oq + sum_(o in S) z_o. >=
-         (1/L) sum_(o in S) n_o) and the model solved again.
-What it leaves out: the prompt's KV copied down in prefill (``kv_down`` on d2h) runs beside
-the chain; the caller replays the plan and falls back to the per-block MILP when that copy
-ends after the chain (the prediction is then above the count MILP's value).
+The flow, on nodes E (embedding options), A (options of a layer's first block), O (layer
+options), M (options of a layer's last block), H (head options):
+
+    E -a_ea-> A -n_o-> O -n_o-> M -y_ma-> A,     M -z_mh-> H
+    a, z binary (one each), n, y integer, flow conserved at A and M, sum_o n_o = L
+    T_p = sum over arcs of flow * (duration of what the arc enters + gap it crosses)
+
+Memory per tier as in ``ilp_constraints.add_memory``, with the staging slot fixed per
+configuration. An integral flow is a path from embed to head plus, possibly, cycles the path
+never visits; those are cut off (a layer in a set S of nodes is followed by a node outside S:
+L * sum(arcs leaving S) >= sum_(o in S) n_o) and the model solved again.
+
+Left out: the prompt's KV copied down in prefill (``kv_down`` on d2h) runs beside the chain;
+``ilp.solve`` replays the plan and hands the configuration to the per-block MILP when that copy
+ends after the chain. Streamed cold experts (``--stream-cold-experts``) are per-block only.
 """
 
 from __future__ import annotations
@@ -168,16 +168,9 @@ class _Prices:
 
 
 class LayerModel:
-    """The count MILP for one configuration (staging depth, slot bytes), as a flow on a small
-    network whose nodes are the options of the embedding (E), of the layer's first block (A,
-    entered), of a whole layer (O), of the layer's last block (M, left) and of the head (H):
-
-        E -a_ea-> A -n_o-> O -n_o-> M -y_ma-> A,   M -z_mh-> H
-
-    a gap depends only on the options of the two blocks it lies between, so a layer pair is
-    priced on its (M, A) arc and the pair counts x_oq of the module docstring aggregate into
-    y_ma. An arc's flow is the number of times the walk takes it; its cost per phase is the
-    duration of what it enters (the layer on A -> O) plus the gap it crosses."""
+    """The count MILP for one configuration (staging depth, slot bytes): the flow of the module
+    docstring. A gap depends only on the options of the two blocks it lies between, so layer
+    pairs are priced on their (M, A) arc, not per pair of whole-layer options."""
 
     def __init__(self, problem: Problem, shape: Layers, depth: int, slot_bytes: float, unit: float):
         self.problem, self.shape, self.depth, self.slot_bytes = problem, shape, depth, slot_bytes
@@ -370,14 +363,8 @@ class LayerModel:
 
     def result(self, status, info, walk, seconds):
         """(decision or None, status, stated objective s, stated bound s, seconds, size)."""
+        obj, bound = self.weights.read(self.T, status, info)
         if walk is None:
-            bound = float("inf") if status == "infeasible" else info.mip_dual_bound / MS
             return None, status, float("inf"), bound, seconds, self.size()
-        t_ms = {p: self.T[p].value() for p in PHASES}
-        weighted = self.weights.weighted_ms(t_ms)
-        weighted_bound = weighted * (1 - max(0.0, info.mip_gap)) if status == "optimal" else \
-            min(weighted, info.mip_dual_bound)
-        obj = self.weights.stated_s(t_ms)
-        bound = min(obj, self.weights.stated_bound_s(weighted_bound))
         return self.decision(walk), status, obj, bound, seconds, self.size()
 

@@ -101,6 +101,18 @@ class Weights:
             return (weighted_bound_ms - self.w[0] * MS * self.ub["prefill"]) / MS
         return weighted_bound_ms / MS
 
+    def read(self, T: dict, status: str, info) -> tuple[float, float]:
+        """(stated objective s, a proven lower bound on it s) of a solved MILP whose phase
+        makespans are the variables ``T``; (inf, HiGHS's dual bound) when it found no plan."""
+        if info.primal_solution_status != 2:
+            return float("inf"), float("inf") if status == "infeasible" else info.mip_dual_bound / MS
+        t_ms = {p: T[p].value() for p in PHASES}
+        weighted = self.weighted_ms(t_ms)
+        weighted_bound = weighted * (1 - max(0.0, info.mip_gap)) if status == "optimal" else \
+            min(weighted, info.mip_dual_bound)
+        obj = self.stated_s(t_ms)
+        return obj, min(obj, self.stated_bound_s(weighted_bound))
+
     def cutoff_ms(self, stated_s: float) -> float:
         """A weighted objective no solution with stated objective < ``stated_s`` can exceed."""
         obj = self.problem.workload.objective

@@ -52,18 +52,24 @@ def test_layers_that_cost_differently_are_not_counted():
     assert layered(dataclasses.replace(problem, stages=stages)) is None
 
 
-@pytest.mark.parametrize("objective", ["latency", "ttft", "tpot"])
-@pytest.mark.parametrize("gpu_fraction", [0.15, 0.35, 0.6, 0.85])
-@pytest.mark.parametrize("workload", list(WORKLOADS))
-@pytest.mark.parametrize("n_layers", [2, 4])
-def test_count_milp_equals_the_per_block_milp(n_layers, workload, gpu_fraction, objective):
-    problem = _problem(n_layers, gpu_fraction, workload, objective)
+def _cross_checked(problem):
+    """The count MILP's result, after checking that the per-block MILP finds the same optimum."""
     exact = dict(mip_rel_gap=1e-9, max_nodes=1_000_000)
     counted = ilp.solve(problem, ilp.IlpOptions(**exact))
     per_block = ilp.solve(problem, ilp.IlpOptions(**exact, count_layers=False))
     assert counted.status == per_block.status == "optimal"
     # both are optimal up to HiGHS's absolute gap of 1e-6 (ms, the models' time unit)
     assert counted.objective_s == pytest.approx(per_block.objective_s, rel=1e-7, abs=2e-9)
+    return counted
+
+
+@pytest.mark.parametrize("objective", ["latency", "ttft", "tpot"])
+@pytest.mark.parametrize("gpu_fraction", [0.15, 0.35, 0.6, 0.85])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("n_layers", [2, 4])
+def test_count_milp_equals_the_per_block_milp(n_layers, workload, gpu_fraction, objective):
+    problem = _problem(n_layers, gpu_fraction, workload, objective)
+    counted = _cross_checked(problem)
     plan = make_plan(problem, counted.decision, {"strategy": "ilp"})
     assert fits(plan)
     sim = check_plan(plan)
@@ -150,11 +156,7 @@ def test_moe_layers_are_counted_with_their_expert_split(workload, gpu_fraction):
                                                 cpu_mem=int(roomy.cpu_workspace_bytes + 1.2 * total))
     problem = build_problem(spec, hw, wl)
     assert layered(problem) is not None
-    exact = dict(mip_rel_gap=1e-9, max_nodes=1_000_000)
-    counted = ilp.solve(problem, ilp.IlpOptions(**exact))
-    per_block = ilp.solve(problem, ilp.IlpOptions(**exact, count_layers=False))
-    assert counted.status == per_block.status == "optimal"
-    assert counted.objective_s == pytest.approx(per_block.objective_s, rel=1e-7, abs=2e-9)
+    counted = _cross_checked(problem)
     plan = make_plan(problem, counted.decision, {"strategy": "ilp"})
     assert fits(plan)
     assert plan.predicted["latency_s"] == pytest.approx(counted.objective_s, rel=1e-9)
