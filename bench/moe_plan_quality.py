@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moe_compile_time import add_solver_args  # bench/moe_compile_time.py, beside this script
+
 from hetplan.compare import compare
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError, InfeasibleError
@@ -79,10 +81,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=DEFAULTS.gen_len)
     ap.add_argument("--routing", metavar="FILE", default=None,
                     help="routing statistics (hetplan exec --record-routing) of the one model chosen by --only")
-    ap.add_argument("--max-nodes", type=int, default=DEFAULTS.max_nodes,
-                    help="branch-and-bound nodes per staging depth (default %(default)s)")
-    ap.add_argument("--mip-gap", type=float, default=DEFAULTS.mip_gap,
-                    help="relative gap at which the MILP stops (default %(default)s)")
+    add_solver_args(ap)
     ap.add_argument("--only", action="append", metavar="MODEL", choices=[m for m, _ in SCENARIOS],
                     help="run only this model's scenario (repeatable)")
     args = ap.parse_args()

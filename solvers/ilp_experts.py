@@ -24,8 +24,7 @@ from __future__ import annotations
 import pulp
 
 from hetplan.experts import INDEX_BYTES
-
-MS = 1e3
+from hetplan.solvers.ilp_objective import MS
 
 
 class ExpertVars:
@@ -88,9 +87,9 @@ class ExpertVars:
 
     def _stream_can_pay(self, p, b, fit: int) -> bool:
         """False when streaming block b's cold experts in phase p is dominated for every count
-        it could stream: the load starts after block b - depth ends, so with depth 2 it hides at
-        most behind block b - 1 (every stage at its slower device, plus its copies) and with
-        depth 1 behind nothing; if for each n in [E - fit, E - 1]
+        it could stream: the load is issued when block b - 1 starts (depth 2) or ends (depth 1),
+        so with depth 2 it hides at most behind block b - 1 (every stage at its slower device,
+        plus its copies) and with depth 1 behind nothing; if for each n in [E - fit, E - 1]
             t_load(E - n) + t_route + t_hot(E)  >=  hide + t_split(n),
         running the cold experts on the CPU ends block b no later, adds no load to the h2d
         queue and needs no more memory, so no plan is lost by leaving the option out."""

@@ -202,14 +202,16 @@ class LayerModel:
             for h, ho in enumerate(self.last_opts):
                 arcs["M", m, "H", h] = (pulp.LpVariable(f"z_{m}_{h}", cat="Binary"), {
                     p: prices.gap(p, layer[-1], mo, last, ho) + prices.duration(p, last, ho) for p in PHASES})
+        into, out = defaultdict(list), defaultdict(list)  # node -> flow variables of its arcs
+        for (u1, u2, v1, v2), (v, _) in arcs.items():
+            out[u1, u2].append(v)
+            into[v1, v2].append(v)
         prob += pulp.lpSum(v for k, (v, _) in arcs.items() if k[0] == "E") == 1, "one_first_layer"
         prob += pulp.lpSum(v for k, (v, _) in arcs.items() if k[2] == "H") == 1, "one_last_layer"
         prob += pulp.lpSum(self.n.values()) == L, "every_layer"
         for kind, count in (("A", len(enter)), ("M", len(leave))):
             for i in range(count):
-                into = pulp.lpSum(v for k, (v, _) in arcs.items() if k[2:] == (kind, i))
-                out = pulp.lpSum(v for k, (v, _) in arcs.items() if k[:2] == (kind, i))
-                prob += into == out, f"flow_{kind}{i}"
+                prob += pulp.lpSum(into[kind, i]) == pulp.lpSum(out[kind, i]), f"flow_{kind}{i}"
         self.T = {}
         for p in PHASES:
             self.T[p] = pulp.LpVariable(f"T_{p}", lowBound=0)
@@ -219,10 +221,8 @@ class LayerModel:
             gpu = sum(prices.gpu_bytes(b, o) for b, o in zip(blocks, opts))
             return (gpu if on_gpu else sum(b.weight_bytes + b.kv_bytes for b in blocks) - gpu) / unit
 
-        first_e = {e: pulp.lpSum(v for k, (v, _) in arcs.items() if k[:2] == ("E", e))
-                   for e in range(len(self.first_opts))}
-        last_h = {h: pulp.lpSum(v for k, (v, _) in arcs.items() if k[2:] == ("H", h))
-                  for h in range(len(self.last_opts))}
+        first_e = {e: pulp.lpSum(out["E", e]) for e in range(len(self.first_opts))}
+        last_h = {h: pulp.lpSum(into["H", h]) for h in range(len(self.last_opts))}
         used = pulp.LpVariable("gpu_used", cat="Binary")
         for on_gpu in (True, False):
             expr = pulp.lpSum(tier_bytes(layer, self.layer_opts[o], on_gpu) * v for o, v in self.n.items())
