@@ -18,10 +18,10 @@ import time
 
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import InfeasibleError
-from hetplan.models import load_model
+from hetplan.frontends.resolve import load_model
 from hetplan.presets.models import MODEL_PRESETS
 from hetplan.presets.nodes import NODE_PRESETS
-from hetplan.report import format_table
+from hetplan.plan.report import format_table
 
 MAX_PARAMS = 73e9
 """Dense presets up to the 70B class (Llama-3.1-70B: 70.6e9 parameters, Qwen2.5-72B: 72.7e9)."""

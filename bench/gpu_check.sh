@@ -66,7 +66,7 @@ stamp "3. Accelerate device_map with max_memory {0: 9GiB}"
 $PY - "$OUT/accelerate.json" <<'EOF'
 import json, sys, time, torch, transformers
 from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
-from hetplan.models import load_model
+from hetplan.frontends.resolve import load_model
 spec = load_model("llama-3.1-8b", "bf16")
 cfg = transformers.LlamaConfig(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                                num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,

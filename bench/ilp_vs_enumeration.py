@@ -29,7 +29,7 @@ from hetplan.hardware import DEFAULT_EFFICIENCY, DEFAULT_LATENCY_S, DeviceSpec, 
 from hetplan.model import ModelSpec
 from hetplan.plan import Decision
 from hetplan.problem import build_problem
-from hetplan.simulate import simulate
+from hetplan.plan.simulate import simulate
 from hetplan.workload import Workload
 
 WAYS = (("gpu", "gpu", "gpu"), ("cpu", "cpu", "cpu"), ("stream", "cpu", "stream"),

@@ -21,7 +21,7 @@ import sys
 from compile_time import median_compile  # bench/compile_time.py, beside this script
 
 from hetplan.compiler import CompileRequest
-from hetplan.report import format_table
+from hetplan.plan.report import format_table
 
 SCENARIOS = (("deepseek-v3", "epyc-4090-512g"), ("qwen3-235b-a22b", "epyc-4090-512g"),
              ("mixtral-8x7b", "rtx4090-64g"), ("qwen3-30b-a3b", "laptop-8g"))

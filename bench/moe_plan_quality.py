@@ -4,7 +4,7 @@ Scenarios, all with q4_k_m weights: Mixtral-8x7B on rtx4090-64g (24 GiB GPU), Qw
 laptop-8g (8 GiB GPU), DeepSeek-V3 on epyc-4090-512g (24 GiB GPU + 512 GiB DDR5). For each:
 predicted decode and prefill tokens/s of the ILP plan and of ``cpu-moe`` (every routed expert on
 the CPU), the best fitting ``n-cpu-moe:N`` and the best fitting ``ngl:N`` (as
-``hetplan.compare.compare`` picks them: best on the workload's objective), each with the ratio
+``hetplan.plan.compare.compare`` picks them: best on the workload's objective), each with the ratio
 ILP / baseline (> 1 means the ILP plan is faster); "no fit" where a baseline does not fit in
 memory. The summary gives the ILP's status, MIP gap and its GPU-resident routed experts (over
 every MoE layer, of the model's total).
@@ -21,10 +21,10 @@ import sys
 
 from moe_compile_time import add_solver_args  # bench/moe_compile_time.py, beside this script
 
-from hetplan.compare import compare
+from hetplan.plan.compare import compare
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError, InfeasibleError
-from hetplan.report import format_table
+from hetplan.plan.report import format_table
 
 SCENARIOS = (("mixtral-8x7b", "rtx4090-64g"), ("qwen3-30b-a3b", "laptop-8g"),
              ("deepseek-v3", "epyc-4090-512g"))

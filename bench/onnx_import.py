@@ -180,7 +180,7 @@ def build(directory: Path, cfg: dict, dtype=np.float32) -> Path:
 CHILD_HETPLAN = """
 import json, resource, sys, time
 from hetplan.compiler import CompileRequest, compile_plan
-from hetplan.onnx_import import spec_from_onnx
+from hetplan.frontends.onnx.importer import spec_from_onnx
 t0 = time.perf_counter()
 spec = spec_from_onnx(sys.argv[1])
 out = {"import_s": time.perf_counter() - t0, "params": spec.total_params()}

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetplan.check import plan_paths, request_of
-from hetplan.compare import compare, ratio_to_chosen
+from hetplan.plan.check import plan_paths, request_of
+from hetplan.plan.compare import compare, ratio_to_chosen
 from hetplan.compiler import compile_plan
 from hetplan.plan import load_plan
-from hetplan.report import format_table
+from hetplan.plan.report import format_table
 from hetplan.units import format_seconds
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"

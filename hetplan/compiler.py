@@ -17,7 +17,7 @@ from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.evaluate import fits, make_plan, objective_s, predictions
 from hetplan.hardware import HardwareSpec, load_node
 from hetplan.model import ModelSpec
-from hetplan.models import load_model
+from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan
 from hetplan.problem import Problem, build_problem
 from hetplan.schedule import build_schedule

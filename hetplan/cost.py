@@ -4,7 +4,7 @@ Every formula is a small function whose docstring states it. Times follow a roof
 takes ``max(flops / (peak * eff_flops), bytes / (bandwidth * eff_mem)) + latency``, where
 ``latency`` is a fixed per-task cost (kernel launches, dispatch). Transfers take
 ``bytes / (link * eff_link) + latency``. Measured profile tables, when present, replace the
-analytic time of an op (see ``hetplan.profile_table``).
+analytic time of an op (see ``hetplan.profile.table``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ copies    = d2h of sum_cold (rows_j + 8 T f_j)  (rows, token index and gate),
 merge     = roofline(0, 2 T D a + sum_cold rows_j) on the GPU
 
 Every term is a sum over experts, so for a fixed ranking each is linear in the indicators of
-which experts are hot: that is what makes the MILP exact (``solvers/ilp_experts.py``).
+which experts are hot: that is what makes the MILP exact (``solvers/ilp/experts.py``).
 Pure numbers; no solver, no torch.
 """
 

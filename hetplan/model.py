@@ -1,6 +1,6 @@
 """ModelSpec: the shape of a decoder-only transformer, and nothing about where it runs.
 
-A spec is built from a Hugging Face ``config.json`` (``hetplan.hf_config``), a preset name
+A spec is built from a Hugging Face ``config.json`` (``hetplan.frontends.hf_config``), a preset name
 (``hetplan.presets.models``) or an ONNX graph. Derived sizes (parameters per block, KV bytes per
 token) are properties, never stored. Index names: ``l`` is a layer.
 """

@@ -76,7 +76,7 @@ class Problem:
 def price(graph: BlockGraph, hw: HardwareSpec, profile=None, routing=None) -> Problem:
     """Attach seconds to every stage and transfer of ``graph`` on ``hw``.
 
-    ``profile`` (a ``hetplan.profile_table.ProfileTable``) overrides analytic compute times with
+    ``profile`` (a ``hetplan.profile.table.ProfileTable``) overrides analytic compute times with
     measured ones where it has the op (whole-block stages; expert splits are costed
     analytically). ``routing`` gives MoE layers their expert fractions (uniform without)."""
     spec = graph.model
@@ -122,11 +122,11 @@ def build_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, profile=None,
         raise HetplanError(f"--prompt-len + --gen-len = {wl.context_len} exceeds the model's "
                            f"max_position_embeddings ({spec.max_positions})")
     if spec.extra.get("source") == "onnx":
-        from hetplan.onnx_graph import onnx_block_graph  # only for models imported from ONNX
+        from hetplan.frontends.onnx.graph import onnx_block_graph  # only for models imported from ONNX
         graph = onnx_block_graph(spec, wl)
     else:
         graph = block_graph(spec, wl, routing)
     if profile is None and hw.profile:
-        from hetplan.profile_table import load_profile
+        from hetplan.profile.table import load_profile
         profile = load_profile(hw.profile)
     return price(graph, hw, profile, routing)

@@ -38,9 +38,9 @@ When the cache lives on the other tier (prefill only; the plan then holds a ``kv
 ``call.kv`` is None and it attends over the prompt's own k/v.
 
 Backends are found by ``backend_for(spec)``: a plan compiled from an ONNX graph runs that graph
-(``onnx_backend``); otherwise ``BACKENDS`` maps the family to ``module:Class``, imported on use
+(``hetplan.runtime.onnx.backend``); otherwise ``BACKENDS`` maps the family to ``module:Class``, imported on use
 (the mixture-of-experts families, with ``moe`` stages and DeepSeek's latent attention, to
-``moe_backend``). A family without a row is refused; adding one is adding a row.
+``models.moe.backend``). A family without a row is refused; adding one is adding a row.
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
 
 BACKENDS = {
-    "llama": "hetplan.runtime.dense:DenseBackend",
-    "mistral": "hetplan.runtime.dense:DenseBackend",
-    "qwen2": "hetplan.runtime.dense:DenseBackend",
-    "qwen3": "hetplan.runtime.dense:DenseBackend",
-    "opt": "hetplan.runtime.dense:DenseBackend",
-    "gpt2": "hetplan.runtime.dense:DenseBackend",
-    "mixtral": "hetplan.runtime.moe_backend:MoeBackend",
-    "qwen3_moe": "hetplan.runtime.moe_backend:MoeBackend",
-    "deepseek_v3": "hetplan.runtime.moe_backend:MoeBackend",
+    "llama": "hetplan.runtime.models.dense:DenseBackend",
+    "mistral": "hetplan.runtime.models.dense:DenseBackend",
+    "qwen2": "hetplan.runtime.models.dense:DenseBackend",
+    "qwen3": "hetplan.runtime.models.dense:DenseBackend",
+    "opt": "hetplan.runtime.models.dense:DenseBackend",
+    "gpt2": "hetplan.runtime.models.dense:DenseBackend",
+    "mixtral": "hetplan.runtime.models.moe.backend:MoeBackend",
+    "qwen3_moe": "hetplan.runtime.models.moe.backend:MoeBackend",
+    "deepseek_v3": "hetplan.runtime.models.moe.backend:MoeBackend",
 }
 """Model family -> the backend class that executes it."""
 
@@ -131,7 +131,7 @@ class Backend(Protocol):
 def backend_for(spec: ModelSpec) -> Backend:
     """The backend for ``spec``'s family, or a HetplanError naming the capability it lacks."""
     if spec.extra.get("source") == "onnx":  # a plan compiled from an ONNX graph runs that graph
-        return getattr(importlib.import_module("hetplan.runtime.onnx_backend"), "OnnxBackend")(spec)
+        return getattr(importlib.import_module("hetplan.runtime.onnx.backend"), "OnnxBackend")(spec)
     target = BACKENDS.get(spec.arch)
     if target is None:
         raise HetplanError(f"model family {spec.arch!r}: no runtime backend; executable families: "

@@ -2,7 +2,7 @@
 
 A cache value (``k``, ``v``; MLA's ``latent``, ``k_rope``) holds ``[B, T, ...]``
 (``backend.kv_shapes``). In a plain KV dtype (fp32, fp16, bf16) it is one tensor of that shape.
-In a quantised one (q8_0, q4_0, int8, int4, q4_k_m; ``hetplan.runtime.quant``) it is a
+In a quantised one (q8_0, q4_0, int8, int4, q4_k_m; ``hetplan.runtime.kernels.quant``) it is a
 ``QuantisedValue``: each token's row, the value's trailing dims flattened (KVH * hd for k and v,
 r or rope for MLA), is quantised on its own and kept as per-row arrays ``[B, T, count]``
 (scales, values), so a step writes only its tokens' rows and a row never depends on another.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hetplan.errors import HetplanError
-from hetplan.runtime import quant
+from hetplan.runtime.kernels import quant
 from hetplan.runtime.weights import TORCH_DTYPES
 
 KV_DTYPES = (*TORCH_DTYPES, *quant.FORMATS)

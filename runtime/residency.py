@@ -25,8 +25,8 @@ pages).
   memory when a GPU copies the prompt's KV into it), plain or quantised per token row in the
   plan's KV dtype (``runtime/kv_cache.py``).
 
-A plan with a quantised weight dtype (``hetplan.runtime.quant``) stores each block as bytes
-(``runtime/packed.py``); slots and loads move those bytes. A stage's weights are then a
+A plan with a quantised weight dtype (``hetplan.runtime.kernels.quant``) stores each block as bytes
+(``runtime/kernels/packed.py``); slots and loads move those bytes. A stage's weights are then a
 ``PackedView`` whose linears are dequantised, when the stage looks them up, into a preallocated
 buffer of the compute dtype on the stage's tier: one per tier, as large as the largest block
 computing there needs, its routed experts counted as one (they take turns in one region). The
@@ -49,9 +49,10 @@ from hetplan.dtypes import DEQUANT_BYTES
 from hetplan.errors import HetplanError
 from hetplan.graph import PHASES
 from hetplan.plan import Plan
-from hetplan.runtime import kv_cache, quant
+from hetplan.runtime import kv_cache
+from hetplan.runtime.kernels import quant
 from hetplan.runtime.devices import Devices
-from hetplan.runtime.packed import PackedParts, PackedView, numel, packed_layout, sharing_experts, views
+from hetplan.runtime.kernels.packed import PackedParts, PackedView, numel, packed_layout, sharing_experts, views
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ refuse what cannot run (a KV dtype it cannot store, stage kinds its backend lack
 without a GPU unless emulated, more memory than is free now), then read the
 prompt, place weights and KV caches (``Residency``), and run the prefill program once and the
 decode program once per further token (``Executor``), sampling after each. A plan with quantised weights
-(``hetplan.runtime.quant``) computes in bf16 on a CUDA GPU and in fp32 otherwise; a quantised KV
+(``hetplan.runtime.kernels.quant``) computes in bf16 on a CUDA GPU and in fp32 otherwise; a quantised KV
 dtype stores caches packed per token row (``hetplan.runtime.kv_cache``). TTFT is prefill to the
 first sampled token; TPOT the mean decode step; both sit next to the plan's predictions.
 
@@ -23,7 +23,8 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
 from hetplan.routing import RoutingStats
-from hetplan.runtime import kv_cache, quant
+from hetplan.runtime import kv_cache
+from hetplan.runtime.kernels import quant
 from hetplan.runtime.backend import Step, backend_for
 from hetplan.runtime.dataflow import TRANSFERS, build_program
 from hetplan.runtime.devices import Devices, check_free_memory, host_available_bytes
@@ -121,7 +122,7 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
         if not spec.is_moe:
             raise HetplanError(f"--record-routing: model {spec.name!r} ({spec.arch}) has no experts; "
                                f"routing statistics exist only for mixture-of-experts models")
-        from hetplan.runtime.moe import RoutingRecorder
+        from hetplan.runtime.models.moe.layer import RoutingRecorder
         backend.recorder = RoutingRecorder(spec)
     mode = choose_mode(plan, opts.emulate)
     free_gpu = torch.cuda.mem_get_info()[0] if mode == "cuda" else None

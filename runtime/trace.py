@@ -1,6 +1,6 @@
 """Measured task times as a Chrome/Perfetto trace, beside the plan's predicted one.
 
-Uses the plan's own trace writer (``hetplan.timeline``): one process per (source, phase), one
+Uses the plan's own trace writer (``hetplan.plan.timeline``): one process per (source, phase), one
 thread per resource, one event per task named by its kind and block. The measured decode lane
 holds every decode step back to back, at the times they ran; the predicted one holds the plan's
 single step. Also the achieved bandwidth of weight loads. Knows nothing about how tasks ran.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetplan.plan import Plan
-from hetplan.timeline import plan_trace_events, task_trace_events, trace_document
+from hetplan.plan.timeline import plan_trace_events, task_trace_events, trace_document
 
 
 @dataclass(frozen=True)

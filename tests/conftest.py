@@ -3,7 +3,7 @@
 ``tiny_spec(**overrides)`` is a llama-shaped ModelSpec small enough to plan in milliseconds;
 ``tiny_node(gpu_gib, cpu_gib, **overrides)`` a machine whose memory budgets are exactly the
 given sizes (no reserves), or a CPU-only one with ``gpu_gib=None``. Tests import them with
-``from conftest import tiny_spec, tiny_node``.
+``from tests.conftest import tiny_spec, tiny_node``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hetplan.check import check_plan, plan_paths, request_of
+from hetplan.plan.check import check_plan, plan_paths, request_of
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError
 from hetplan.evaluate import fits

@@ -240,7 +240,7 @@ def readme_rows() -> dict:
 
 
 def test_readme_model_table_matches_the_presets():
-    from hetplan.models import load_model
+    from hetplan.frontends.resolve import load_model
     from hetplan.presets.models import MODEL_PRESETS
     rows = readme_rows()
     for name in MODEL_PRESETS:

@@ -9,7 +9,7 @@ cpu_flops 0.5, link 0.9; fixed latencies 20 us per compute task and 10 us per co
 import itertools
 
 import pytest
-from conftest import tiny_node, tiny_spec
+from tests.conftest import tiny_node, tiny_spec
 
 from hetplan import cost
 from hetplan.cost import Work

@@ -18,13 +18,13 @@ import itertools
 import math
 
 import pytest
-from conftest import tiny_node, tiny_spec
+from tests.conftest import tiny_node, tiny_spec
 
 from hetplan.compiler import CompileRequest, decide
 from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Decision
 from hetplan.problem import build_problem
-from hetplan.simulate import check_plan
+from hetplan.plan.simulate import check_plan
 from hetplan.workload import Workload
 
 LAYER = dict(n_layers=1, hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128, vocab=32000)

@@ -1,4 +1,4 @@
-"""The count MILP (``solvers/ilp_layers``) of models with identical layers.
+"""The count MILP (``solvers/ilp/layers.py``) of models with identical layers.
 
 Oracles: the per-block MILP (``solvers/ilp``, an independent formulation with one variable set
 per block, solved to a 1e-9 gap), the simulator's replay of the plan, and the schedule rule
@@ -8,15 +8,15 @@ for issuing loads restated here by hand.
 import dataclasses
 
 import pytest
-from conftest import tiny_node, tiny_spec
+from tests.conftest import tiny_node, tiny_spec
 
 from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Decision
 from hetplan.problem import build_problem
 from hetplan.schedule import build_schedule
-from hetplan.simulate import check_plan
+from hetplan.plan.simulate import check_plan
 from hetplan.solvers import ilp
-from hetplan.solvers.ilp_layers import LayerModel, layered
+from hetplan.solvers.ilp.layers import LayerModel, layered
 from hetplan.workload import Workload
 
 SHAPE = dict(hidden=1024, intermediate=4096, n_heads=16, n_kv_heads=4, head_dim=64, vocab=8000)

@@ -9,17 +9,17 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from hetplan.compare import compare, compare_dicts, missing_bytes, score
+from hetplan.plan.compare import compare, compare_dicts, missing_bytes, score
 from hetplan.compiler import CompileRequest
 from hetplan.evaluate import make_plan
 from hetplan.graph import PHASES
 from hetplan.hardware import load_node
-from hetplan.models import load_model
+from hetplan.frontends.resolve import load_model
 from hetplan.plan import Decision, Task
 from hetplan.problem import build_problem
-from hetplan.report import block_runs, compare_table, format_table, render_show
+from hetplan.plan.report import block_runs, compare_table, format_table, render_show
 from hetplan.solvers import baselines
-from hetplan.timeline import (nice_ticks, plan_trace_events, render_svg, task_trace_events, trace_document,
+from hetplan.plan.timeline import (nice_ticks, plan_trace_events, render_svg, task_trace_events, trace_document,
                               write_timeline)
 from hetplan.workload import Workload
 
@@ -230,7 +230,7 @@ def test_a_baseline_that_does_not_fit_reports_the_missing_bytes():
 
 
 def test_tick_labels_use_the_unit_of_the_whole_axis():
-    from hetplan.timeline import tick_label
+    from hetplan.plan.timeline import tick_label
     assert [tick_label(t, 2.341) for t in (0, 0.5, 2.0)] == ["0", "0.5 s", "2 s"]
     assert [tick_label(t, 0.0733) for t in (0.01, 0.07)] == ["10 ms", "70 ms"]
     assert tick_label(2e-5, 9e-5) == "20 us"

@@ -5,15 +5,15 @@ prediction, fits its memory, keeps the staging discipline, and the ILP beats eve
 import dataclasses
 
 import pytest
-from conftest import tiny_node, tiny_spec
+from tests.conftest import tiny_node, tiny_spec
 
 from hetplan.compiler import CompileRequest, decide
 from hetplan.evaluate import fits, make_plan
 from hetplan.hardware import load_node
-from hetplan.models import load_model
+from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan, Task
 from hetplan.problem import build_problem
-from hetplan.simulate import PlanInvalid, check_plan, replay, simulate
+from hetplan.plan.simulate import PlanInvalid, check_plan, replay, simulate
 from hetplan.workload import Workload
 
 REL = 1e-6

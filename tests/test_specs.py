@@ -7,8 +7,8 @@ import pytest
 
 from hetplan.errors import HetplanError
 from hetplan.hardware import load_node
-from hetplan.hf_config import spec_from_config
-from hetplan.models import load_model
+from hetplan.frontends.hf_config import spec_from_config
+from hetplan.frontends.resolve import load_model
 from hetplan.presets.models import model_preset
 from hetplan.units import parse_bandwidth, parse_bytes, parse_flops
 from hetplan.workload import Workload

@@ -7,7 +7,7 @@ user gets by pointing ``hetplan compile`` at the downloaded config.
 from __future__ import annotations
 
 from hetplan.errors import HetplanError
-from hetplan.hf_config import spec_from_config
+from hetplan.frontends.hf_config import spec_from_config
 from hetplan.model import ModelSpec
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

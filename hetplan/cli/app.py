@@ -1,0 +1,88 @@
+"""The ``hetplan`` command line: thin wrappers over library functions the tests call too.
+
+Each subcommand lives in its own module (``compile``, ``show``, ``check``,
+``exec``, ``profile``) and is imported only when used, so ``compile`` never imports torch.
+A HetplanError becomes a one-line message on stderr and exit code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import click
+
+from hetplan import __version__
+from hetplan.errors import HetplanError
+
+_COMMANDS = {
+    "compile": ("hetplan.cli.compile", "Plan a model on a machine (exact MILP by default)."),
+    "show": ("hetplan.cli.show", "Explain a plan: blocks, memory, predictions, bottleneck; draw its timeline."),
+    "check": ("hetplan.cli.check", "Recompile plans from their inputs and fail on regressions (CI)."),
+    "exec": ("hetplan.cli.exec", "Execute a plan with the torch runtime and compare with its prediction."),
+    "profile": ("hetplan.cli.profile", "Measure this machine and write node.yaml + node.profile.json."),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(_COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in _COMMANDS:
+            return None
+        module = importlib.import_module(_COMMANDS[name][0])
+        return module.command
+
+    def format_commands(self, ctx, formatter):
+        with formatter.section("Commands"):
+            formatter.write_dl([(n, h) for n, (_, h) in _COMMANDS.items()])
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hetplan")
+def cli():
+    """hetplan: place every weight, KV cache and computation of an LLM across GPU HBM, CPU DRAM
+    and PCIe, optimally for a stated objective, and run the plan."""
+
+
+def main(argv=None) -> int:
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning(warnings.showwarning)
+        return _main(argv)
+
+
+def _one_line_warning(show_other):
+    """Show hetplan's own warnings (e.g. a profile measured on another machine) as one line on
+    stderr, like errors; any other warning as ``show_other`` would."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.split(".")[0] == "hetplan":
+            click.echo(f"hetplan: warning: {message}", err=True)
+        else:
+            show_other(message, category, filename, lineno, file, line)
+    return show
+
+
+def _main(argv=None) -> int:
+    try:
+        rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
+    except HetplanError as e:
+        click.echo(f"hetplan: error: {e}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        click.echo("hetplan: aborted", err=True)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except KeyboardInterrupt:
+        click.echo("hetplan: interrupted", err=True)
+        return 130
+    return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(code) lands here
+
+
+if __name__ == "__main__":
+    sys.exit(main())

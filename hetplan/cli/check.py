@@ -1,0 +1,50 @@
+"""``hetplan check``: recompile plans from their recorded inputs; exit 1 on a regression (for CI)."""
+
+from __future__ import annotations
+
+import click
+
+from hetplan.plan.check import check_plan, plan_paths
+
+_EPILOG = """\b
+Examples:
+  hetplan check plans/                      # every plans/*.json; exit 1 on a regression
+  hetplan check plan.json --tolerance 0.05  # allow predictions 5% worse
+  hetplan check plans/ --update             # accept today's plans (rewrites the files)
+"""
+
+
+@click.command("check", epilog=_EPILOG)
+@click.argument("paths", nargs=-1, required=True, metavar="PLAN.json... | DIR")
+@click.option("--tolerance", default=0.01, show_default=True, type=float, metavar="FRACTION",
+              help="Relative worsening of a predicted time (ttft_s, tpot_s, latency_s) that still "
+                   "passes: 0.01 = 1%.")
+@click.option("--allow-placement-change", is_flag=True,
+              help="Report a changed placement (weights, exec, kv, staging depth, batch, dtype) "
+                   "without failing.")
+@click.option("--update", is_flag=True,
+              help="Rewrite each plan (atomically) with the recompiled one instead of comparing.")
+def command(paths, tolerance, allow_placement_change, update):
+    """Recompile each plan from its recorded inputs (inputs.cli_args) and compare it with the file.
+
+    Prints one OK line per plan that passes. A plan fails when a predicted time got worse than
+    the tolerance, it no longer fits in memory, or its placement changed; the command then prints
+    what differs and exits with status 1."""
+    failed = 0
+    for path in plan_paths(paths):
+        res = check_plan(path, tolerance=tolerance, allow_placement_change=allow_placement_change,
+                         update=update)
+        if res.ok:
+            verb = "UPDATED" if res.updated else "OK"
+            click.echo(f"{verb} {res.path}: {res.summary}")
+        else:
+            failed += 1
+            click.echo(f"FAIL {res.path}")
+        for line in res.failures:
+            click.echo(f"  - {line}")
+        for line in res.notes:
+            click.echo(f"  note: {line}")
+    if failed:
+        hint = "" if update else "; if the change is intended, run `hetplan check --update` and commit the plans"
+        click.echo(f"{failed} plan(s) failed{hint}", err=True)
+        raise click.exceptions.Exit(1)

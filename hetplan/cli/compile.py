@@ -1,0 +1,133 @@
+"""``hetplan compile``: MODEL + NODE + workload -> plan.json (and, on request, the baselines beside it).
+
+A thin shell over ``hetplan.compiler.compile_plan`` and ``hetplan.plan.compare.compare``: parse
+options, write the plan atomically, print a summary (or one JSON object with ``--json``).
+Notes for the user (e.g. which dtype ``--weight-dtype auto`` chose) always go to stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.dtypes import BITS_PER_ELEMENT
+from hetplan.plan import write_atomic
+from hetplan.units import format_bytes, format_seconds
+
+_DTYPES = ", ".join(BITS_PER_ELEMENT)
+_DEFAULTS = {f.name: f for f in dataclasses.fields(CompileRequest)}
+
+_EPILOG = """\b
+Examples:
+  hetplan compile llama-3.1-70b --hw rtx4090-64g -o plan.json
+  hetplan compile ./Llama-3.1-8B/config.json --hw node.yaml --prompt-len 4096 --compare
+  hetplan compile mixtral-8x7b --hw rtx4090-64g --strategy ngl:16 --json
+  hetplan compile opt-30b --hw t4-208g --objective throughput --batch 64
+"""
+
+
+@click.command("compile", epilog=_EPILOG)
+@click.argument("model")
+@click.option("--hw", "hw", required=True, metavar="NODE",
+              help="Machine: a node preset name (e.g. rtx4090-64g) or a node.yaml path.")
+@click.option("-o", "--output", default="plan.json", show_default=True, metavar="FILE",
+              help="Where to write the plan (written atomically; byte-identical for identical inputs).")
+@click.option("--strategy", default="ilp", show_default=True, metavar="NAME",
+              help="ilp (exact MILP), all-gpu, greedy (Accelerate device_map=auto), ngl[:N] "
+                   "(llama.cpp -ngl; N omitted = most layers that fit), stream (FlexGen-style).")
+@click.option("--objective", default="latency", show_default=True,
+              type=click.Choice(["latency", "ttft", "tpot", "throughput"]),
+              help="What to minimise: latency = TTFT + gen-len x TPOT; ttft; tpot; throughput = "
+                   "generated tokens/s, searching batch 1, 2, 4, ... up to --batch.")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="Sequences decoded together (the largest batch tried with --objective throughput).")
+@click.option("--prompt-len", default=512, show_default=True, type=int, metavar="TOKENS",
+              help="Prompt tokens per sequence (prefill).")
+@click.option("--gen-len", default=128, show_default=True, type=int, metavar="TOKENS",
+              help="Generated tokens per sequence; the KV cache is sized for prompt + gen tokens.")
+@click.option("--weight-dtype", default="auto", show_default=True, metavar="DTYPE",
+              help=f"Weight storage dtype: auto (the checkpoint's dtype if everything fits in GPU + CPU "
+                   f"memory, else q8_0, else q4_k_m) or one of {_DTYPES}.")
+@click.option("--kv-dtype", default=None, metavar="DTYPE",
+              help="KV cache dtype (default: the checkpoint's dtype, e.g. bf16, also when the weights are "
+                   "quantised).")
+@click.option("--gpu-mem", default=None, metavar="SIZE",
+              help="Usable GPU memory, replacing the node's (total - reserve), e.g. 20GiB or 16GB.")
+@click.option("--cpu-mem", default=None, metavar="SIZE",
+              help="Usable CPU memory, replacing the node's (total - reserve), e.g. 48GiB.")
+@click.option("--time-limit", "time_limit_s", default=_DEFAULTS["time_limit_s"].default, show_default=True,
+              type=float, metavar="SECONDS",
+              help="ILP wall-clock limit per staging depth; when hit, the best plan found is kept, its "
+                   "status says time_limit with the MIP gap, and it may differ between machines.")
+@click.option("--max-nodes", default=_DEFAULTS["max_nodes"].default, show_default=True, type=int, metavar="N",
+              help="ILP branch-and-bound nodes per MILP solved (100 N for the count MILP of a model with "
+                   "identical layers): a deterministic limit (the same plan on every machine); when hit, "
+                   "the status says node_limit with the MIP gap.")
+@click.option("--mip-gap", default=_DEFAULTS["mip_gap"].default, show_default=True, type=float, metavar="REL",
+              help="ILP relative optimality gap at which the search stops and calls the plan optimal.")
+@click.option("--stream-cold-experts", is_flag=True,
+              help="MoE models: let the ILP also stream a resident layer's CPU-side experts to the GPU "
+                   "per phase (pays for long prefills; the MILP gets several times slower to solve).")
+@click.option("--routing", default=None, metavar="FILE",
+              help="Routing statistics of an MoE model (written by `hetplan exec --record-routing`): "
+                   "the hottest experts of each layer are the ones kept on the GPU. Uniform when absent. "
+                   "The plan records the statistics, so `hetplan check` recompiles without the file.")
+@click.option("--dump-lp", default=None, metavar="FILE",
+              help="Also write the MILP in LP format, one file per staging depth tried "
+                   "(model.lp -> model.depth1.lp, model.depth2.lp).")
+@click.option("--compare", is_flag=True,
+              help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N, stream; for MoE "
+                   "models also cpu-moe and best n-cpu-moe:N) on the same model, machine and workload: "
+                   "TTFT, TPOT, memory, fits?, ratio.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (path, predicted, memory, solver with solve_seconds, notes"
+                   "[, compare]) to stdout and nothing else there.")
+def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, weight_dtype, kv_dtype,
+            gpu_mem, cpu_mem, time_limit_s, max_nodes, mip_gap, stream_cold_experts, routing, dump_lp, compare,
+            as_json):
+    """Plan MODEL on a machine and write the plan.
+
+    MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
+    one, or an .onnx file."""
+    if time_limit_s <= 0:
+        raise click.BadParameter("must be a positive number of seconds", param_hint="--time-limit")
+    if max_nodes <= 0:
+        raise click.BadParameter("must be a positive number of nodes", param_hint="--max-nodes")
+    if not 0 <= mip_gap < 1:
+        raise click.BadParameter("must be a relative gap in [0, 1), e.g. 1e-4", param_hint="--mip-gap")
+    req = CompileRequest(model=model, hw=hw, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+                         objective=objective, strategy=strategy, weight_dtype=weight_dtype,
+                         kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
+                         max_nodes=max_nodes, mip_gap=mip_gap, stream_cold_experts=stream_cold_experts,
+                         routing=routing, dump_lp=dump_lp)
+    plan, solve_s = compile_plan(req)
+    for note in req.notes:
+        click.echo(f"note: {note}", err=True)
+    write_atomic(output, plan.to_json())
+    rows = None
+    if compare:
+        from hetplan.plan.compare import compare as compare_plans
+        from hetplan.plan.compare import compare_dicts
+        rows = compare_dicts(compare_plans(plan, req))
+    if as_json:
+        doc = {"path": str(output), "predicted": plan.predicted, "memory": plan.memory,
+               "solver": dict(plan.solver, solve_seconds=solve_s), "notes": list(req.notes)}
+        if rows is not None:
+            doc["compare"] = rows
+        click.echo(json.dumps(doc, sort_keys=True))
+        return
+    p, m, s = plan.predicted, plan.memory, plan.solver
+    gap = "" if s.get("mip_gap") is None else f", gap {100 * s['mip_gap']:.2g}%"
+    tiers = ("gpu", "cpu") if plan.hardware.gpus else ("cpu",)
+    memory = ", ".join(f"{t.upper()} {format_bytes(m[f'{t}_bytes'])} / {format_bytes(m[f'{t}_budget_bytes'])}"
+                       for t in tiers)
+    click.echo(f"wrote {output}: TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])} "
+               f"({p['decode_tokens_per_s']:.2f} tok/s), {memory}  [{s['strategy']}, {s['status']}{gap}, "
+               f"solved in {solve_s:.2f} s]")
+    if rows is not None:
+        from hetplan.plan.report import compare_table
+        click.echo("")
+        click.echo(compare_table(rows, plan.workload.objective))

@@ -1,0 +1,155 @@
+"""``hetplan profile``: measure this machine into node.yaml + node.profile.json, or fold a run's
+trace into an existing profile (``--from-trace``)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+from hetplan.errors import HetplanError
+from hetplan.plan import write_atomic
+from hetplan.units import format_seconds
+
+DEFAULT_BUDGET = "120s"
+
+
+def parse_budget(text: str) -> float:
+    """``120s``, ``2m``, ``90`` (seconds) -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min)?\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise HetplanError(f"--budget: cannot read {text!r} as a duration (write e.g. 120s or 2m)")
+    return float(m.group(1)) * (60.0 if m.group(2) in ("m", "min") else 1.0)
+
+
+def node_dict(peaks: dict, machine: dict, profile_file: str) -> dict:
+    """The node.yaml mapping for measured ``peaks`` (SI values keyed by node.yaml path).
+
+    Measured peaks are what this machine achieves, so every efficiency is 1."""
+    def flops(prefix):
+        return {k.rsplit(".", 1)[1]: _rate(v, "FLOPS") for k, v in peaks.items() if k.startswith(prefix)}
+
+    node = {"name": f"profiled-{_host()}",
+            "cpu": {"name": machine.get("cpu_model", "cpu"), "cores": int(machine.get("cpu_count") or 0),
+                    "memory": f"{machine['memory_bytes'] / 2**30:.2f}GiB",
+                    "mem_bandwidth": _rate(peaks["cpu.mem_bandwidth"], "B/s"), "flops": flops("cpu.flops.")},
+            "gpus": []}
+    eff = {"cpu_mem": 1.0, "cpu_flops": 1.0}
+    if "gpus[0].mem_bandwidth" in peaks:
+        g = machine["gpus"][0]
+        node["gpus"] = [{"name": g["name"], "memory": f"{g['memory_bytes'] / 2**30:.2f}GiB",
+                         "mem_bandwidth": _rate(peaks["gpus[0].mem_bandwidth"], "B/s"),
+                         "flops": flops("gpus[0].flops.")}]
+        node["links"] = {d: _rate(peaks[f"links.{d}"], "B/s") for d in ("h2d", "d2h") if f"links.{d}" in peaks}
+        eff.update(gpu_mem=1.0, gpu_flops=1.0, link=1.0)
+    node["efficiency"] = eff
+    node["latency"] = {k.split(".", 1)[1]: float(f"{v:.4g}") for k, v in sorted(peaks.items())
+                       if k.startswith("latency.")}
+    node["profile"] = profile_file
+    return node
+
+
+def _required(peaks: dict) -> list:
+    """The measured values a node.yaml cannot do without (a GPU needs its links too)."""
+    need = ["cpu.mem_bandwidth", "cpu.flops.fp32"]
+    if any(k.startswith("gpus[0].") for k in peaks):
+        need += ["gpus[0].mem_bandwidth", "links.h2d", "links.d2h"]
+    return need
+
+
+def _rate(v: float, unit: str) -> str:
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if v >= scale:
+            return f"{v / scale:.4g}{prefix}{unit}"
+    return f"{v:.4g}{unit}"
+
+
+def _host() -> str:
+    import socket
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "machine"
+
+
+def measure(out: str, budget_s: float, models: tuple, progress=None, started: float | None = None):
+    """Profile this machine within ``budget_s`` seconds counted from ``started`` (a
+    ``time.perf_counter()`` value; now by default) and write ``out`` and its profile table beside
+    it. Refuses (HetplanError) to write impossible values. Returns (ProfileResult, profile path)."""
+    from hetplan.frontends.resolve import load_model
+    from hetplan.profile.checks import peak_problems, profile_problems
+
+    specs = tuple(load_model(m) for m in models)
+    from hetplan.runtime.profiler import Budget, profile_machine
+
+    out_path = Path(out)
+    prof_path = out_path.with_name(out_path.stem + ".profile.json")
+    budget = Budget(budget_s, start=started if started is not None else time.perf_counter())
+    result = profile_machine(budget, specs, progress=progress)
+    missing = [k for k in _required(result.peaks) if k not in result.peaks]
+    if missing:
+        raise HetplanError(f"refusing to write {out}: --budget {budget_s:g}s was too short to measure "
+                           f"{', '.join(missing)}; raise --budget")
+    problems = peak_problems(result.peaks, result.machine) + profile_problems(result.table)
+    if problems:
+        raise HetplanError(f"refusing to write {out}: impossible measured values: " + "; ".join(problems)
+                           + "; re-run `hetplan profile` on an idle machine")
+    node = node_dict(result.peaks, result.machine, prof_path.name)
+    header = (f"# Measured by `hetplan profile` on {node['name']} with {result.table.info['threads']} "
+              f"threads, torch {result.table.info['torch']}.\n"
+              f"# Peaks are achieved rates (efficiency 1); per-op times are in {prof_path.name}.\n")
+    write_atomic(prof_path, result.table.to_json())
+    write_atomic(out_path, header + yaml.safe_dump(node, sort_keys=False))
+    return result, prof_path
+
+
+@click.command("profile")
+@click.option("--out", default="node.yaml", show_default=True,
+              help="node.yaml to write; the table goes beside it as NAME.profile.json.")
+@click.option("--budget", default=DEFAULT_BUDGET, show_default=True, help="Time the profile may take (120s, 2m).")
+@click.option("--model", "models", multiple=True,
+              help="Also time every stage of this model (preset, config.json or directory); repeatable.")
+@click.option("--from-trace", "trace", default=None,
+              help="Fold the task times of a `hetplan exec --trace` run into --profile instead of measuring.")
+@click.option("--profile", "profile_path", default=None, help="With --from-trace: the node.profile.json to update.")
+@click.option("--plan", "plan_path", default=None,
+              help="With --from-trace: the plan the trace ran (when the trace does not carry it).")
+def command(out, budget, models, trace, profile_path, plan_path):
+    """Measure this machine (CPU, GPU, links, and the stages of --model) and write a node.yaml
+    that `hetplan compile --hw` reads, with a measured per-op table the cost model prefers."""
+    started = time.perf_counter()
+    if trace:
+        _fold(trace, profile_path, plan_path)
+        return
+    if profile_path or plan_path:
+        raise HetplanError("--profile and --plan go with --from-trace")
+    budget_s = parse_budget(budget)
+
+    def progress(n):
+        return click.progressbar(length=n, label="profiling", file=sys.stderr, show_pos=True,
+                                 item_show_func=lambda s: s or "")
+
+    result, prof_path = measure(out, budget_s, models, progress=progress, started=started)
+    info, p = result.table.info, result.peaks
+    click.echo(f"wrote {out} and {prof_path} in {info['elapsed_s']:.1f} s (budget {budget_s:.0f} s, "
+               f"{info['threads']} threads): CPU read {p['cpu.mem_bandwidth'] / 1e9:.1f} GB/s, "
+               + ", ".join(f"{k.rsplit('.', 1)[1]} {v / 1e9:.1f} GFLOP/s" for k, v in p.items()
+                           if k.startswith("cpu.flops."))
+               + f", task overhead {format_seconds(p['latency.cpu_task'])}; "
+               f"{sum(len(e.points) for e in result.table.entries.values())} points")
+    for s in info["skipped"]:
+        click.echo(f"skipped: {s}", err=True)
+    load = info.get("load_average_before")
+    if load is not None and load >= 1.0:
+        click.echo(f"note: the load average was {load:g} when profiling started: other work was using "
+                   f"the CPUs, and the times measured include its interference", err=True)
+
+
+def _fold(trace: str, profile_path: str | None, plan_path: str | None) -> None:
+    from hetplan.profile.trace import fold_trace_file
+
+    if not profile_path:
+        raise HetplanError("--from-trace needs --profile NODE.profile.json (the table to update)")
+    n, changed = fold_trace_file(trace, profile_path, plan_path)
+    click.echo(f"folded {n} measured task times from {trace} into {profile_path} ({changed} points)")

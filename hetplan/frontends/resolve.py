@@ -1,0 +1,26 @@
+"""Resolve a MODEL argument (preset name, config.json, directory, .onnx) to a ModelSpec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetplan.errors import HetplanError
+from hetplan.frontends.hf_config import load_config_file, spec_from_config
+from hetplan.model import ModelSpec
+from hetplan.presets.models import MODEL_PRESETS, model_preset
+
+
+def load_model(source: str, weight_dtype: str | None = None, kv_dtype: str | None = None) -> ModelSpec:
+    """A preset name, a config.json path or a directory holding one -> ModelSpec."""
+    if source in MODEL_PRESETS:
+        return model_preset(source, weight_dtype, kv_dtype)
+    p = Path(source)
+    if p.suffix == ".onnx":
+        from hetplan.frontends.onnx.importer import spec_from_onnx  # imported only for ONNX models
+        return spec_from_onnx(p, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    if not p.exists():
+        raise HetplanError(f"model {source!r}: not a preset and no such file; known presets: "
+                           f"{', '.join(sorted(MODEL_PRESETS))}")
+    cfg = load_config_file(p)
+    name = cfg.get("_name_or_path") or (p.name if p.is_dir() else p.parent.name) or "model"
+    return spec_from_config(cfg, name=name, source=str(p), weight_dtype=weight_dtype, kv_dtype=kv_dtype)

@@ -1,0 +1,192 @@
+"""Quantised blocks as bytes, and the weights their stages compute with.
+
+With a quantised weight dtype (``hetplan.runtime.kernels.quant``) a block is one uint8 buffer (resident,
+in host memory, or in a staging slot): its linear weights packed in the plan's format, each
+16-byte aligned, then its other tensors in one run of ``raw_dtype`` (fp16 embedding tables;
+norms and biases in the compute dtype). ``PackedLayout`` says where each tensor lies, in those
+bytes and in the dequantisation buffer of the tier a stage computes on.
+
+A stage's weights are ``PackedView.materialise()``: a mapping that dequantises a linear into the
+buffer (compute dtype) when the stage looks it up, and views the other tensors in place. In the
+buffer the block's linears lie back to back in block order (fused groups stay adjacent), except
+the routed experts of an MoE block (``experts.{e}.*``, as the backend's ``expert_of`` tells):
+those share one expert-sized region after the others, and an expert is dequantised into it again
+on every lookup. Stages compute experts one at a time, each before the next is looked up
+(``moe.layer.experts_forward``, ``moe.split.cold_stage``), so in stream order on a GPU and in program
+order on the CPU no expert is overwritten while in use; a stage must never hold two routed
+experts' tensors at once. A buffer then needs a block's other linears plus one expert: what the
+planner reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts
+are streamed computes with two packed parts (``PackedParts``: its resident bytes and its cold
+experts' bytes in a staging slot); the cold part's experts dequantise into the resident part's
+expert region (``sharing_experts``), so the buffer still holds one expert at a time.
+
+Knows nothing about tiers, plans or schedules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import ChainMap
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hetplan.runtime.kernels import quant
+
+ALIGN = 16
+"""Byte alignment of each packed linear inside a block."""
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where a quantised block's tensors lie."""
+    packed: tuple
+    """((local, byte offset, shape, nbytes), ...) of the packed linears."""
+    raw_offset: int
+    """Byte offset of the other tensors, one run of ``raw_dtype``."""
+    raw_dtype: torch.dtype
+    raw: tuple
+    """((local, element offset, shape), ...) of the other tensors inside that run."""
+    dense: tuple
+    """((local, element offset, shape), ...) of each linear, dequantised, inside the buffer."""
+    experts: frozenset
+    """Linears in the shared expert region: dequantised again on every lookup."""
+
+    @property
+    def nbytes(self) -> int:
+        elem = torch.empty((), dtype=self.raw_dtype).element_size()
+        return self.raw_offset + sum(numel(shape) for _, _, shape in self.raw) * elem
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements of the dequantisation buffer the block needs: its other linears plus one expert."""
+        return max((off + numel(shape) for _, off, shape in self.dense), default=0)
+
+
+def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None) -> PackedLayout:
+    """The layout of a block's tensors ``specs`` (``TensorSpec``) in format ``fmt``, computing in
+    ``dtype``; ``expert_of(local)`` names the routed expert of a tensor (None: not an expert)."""
+    expert_of = expert_of or (lambda local: None)
+    linears = [t for t in specs if quant.quantises(t.local, t.shape)]
+    others = [t for t in specs if not quant.quantises(t.local, t.shape)]
+    packed, offset = [], 0
+    for t in linears:
+        n = quant.nbytes(fmt, quant.stored_shape(t.local, t.shape))
+        packed.append((t.local, offset, tuple(t.shape), n))
+        offset += -(-n // ALIGN) * ALIGN
+    raw, count = [], 0
+    for t in others:
+        raw.append((t.local, count, tuple(t.shape)))
+        count += numel(t.shape)
+    raw_dtype = torch.float16 if others and all(t.local in quant.EMBEDDINGS for t in others) else dtype
+    dense, end = [], 0
+    for t in linears:                       # other linears back to back ...
+        if expert_of(t.local) is None:
+            dense.append((t.local, end, tuple(t.shape)))
+            end += numel(t.shape)
+    region = {}                             # ... then every expert from the same offset
+    for t in linears:
+        e = expert_of(t.local)
+        if e is not None:
+            at = region.get(e, end)
+            dense.append((t.local, at, tuple(t.shape)))
+            region[e] = at + numel(t.shape)
+    experts = frozenset(t.local for t in linears if expert_of(t.local) is not None)
+    return PackedLayout(tuple(packed), offset, raw_dtype, tuple(raw), tuple(dense), experts)
+
+
+def sharing_experts(layout: PackedLayout, other: PackedLayout) -> PackedLayout:
+    """``layout``, of routed experts only (a split block's cold part), with its experts
+    dequantised into ``other``'s expert region (after ``other``'s other linears) instead of from
+    offset 0, so that a stage computing with both parts holds one expert at a time."""
+    if any(local not in layout.experts for local, _, _ in layout.dense):
+        raise ValueError("sharing_experts: the layout holds linears other than routed experts")
+    start = sum(numel(shape) for local, _, shape in other.dense if local not in other.experts)
+    return dataclasses.replace(layout, dense=tuple((local, off + start, shape) for local, off, shape in layout.dense))
+
+
+class PackedView:
+    """A quantised block's bytes (resident, host or a staging slot) and the buffer its stages
+    dequantise into (None where no stage computes with these bytes: a streamed block's host
+    copy), with the views over both made once."""
+
+    def __init__(self, fmt: str, flat: torch.Tensor, layout: PackedLayout, buffer: torch.Tensor | None,
+                 fused: dict):
+        self.fmt, self.flat, self.layout = fmt, flat, layout
+        self.packed = {local: (off, shape, n) for local, off, shape, n in layout.packed}
+        self.dense = views(buffer, layout.dense, fused) if buffer is not None else {}
+        self.parts = {name: fused.get(name, (name,)) for name in self.dense}
+        self.raw = views(flat[layout.raw_offset:layout.nbytes].view(layout.raw_dtype), layout.raw, fused)
+
+    def materialise(self) -> "Dequantised":
+        """The block's tensors for one stage."""
+        return Dequantised(self)
+
+
+class PackedParts:
+    """A block's weights held as several ``PackedView`` (a split block's resident part and its
+    cold experts in a staging slot), seen by a stage as one mapping."""
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+
+    def materialise(self) -> ChainMap:
+        """The parts' tensors for one stage (no name is in two parts)."""
+        return ChainMap(*(part.materialise() for part in self.parts))
+
+
+class Dequantised(Mapping):
+    """local (or fused) name -> tensor for one stage: a linear is dequantised when first looked
+    up (a routed expert's on every lookup), the rest viewed in place."""
+
+    def __init__(self, view: PackedView):
+        self._view = view
+        self._done = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        v = self._view
+        if name in v.raw:
+            return v.raw[name]
+        for local in v.parts[name]:
+            if local in self._done:
+                continue
+            off, shape, n = v.packed[local]
+            target = v.dense[local].t() if local.endswith("_t") else v.dense[local]
+            quant.dequantise(v.fmt, v.flat[off:off + n], quant.stored_shape(local, shape), target)
+            if local not in v.layout.experts:
+                self._done.add(local)
+        return v.dense[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._view.raw or name in self._view.dense
+
+    def __iter__(self):
+        return iter((*self._view.dense, *self._view.raw))
+
+    def __len__(self) -> int:
+        return len(self._view.dense) + len(self._view.raw)
+
+
+def views(buf: torch.Tensor, layout, fused: dict) -> dict:
+    """local name -> view of ``buf`` per ((local, element offset, shape), ...); plus, for each
+    ``fused`` name whose parts lie back to back with equal trailing dims, one view over their
+    concatenation along the first dim."""
+    out = {name: buf[off:off + numel(shape)].view(shape) for name, off, shape in layout}
+    where = {name: (off, shape) for name, off, shape in layout}
+    for name, parts in fused.items():
+        if not all(p in where for p in parts):
+            continue
+        spans = [where[p] for p in parts]
+        adjacent = all(off + numel(shape) == spans[i + 1][0] for i, (off, shape) in enumerate(spans[:-1]))
+        if adjacent and len({shape[1:] for _, shape in spans}) == 1:
+            shape = (sum(s[0] for _, s in spans),) + spans[0][1][1:]
+            out[name] = buf[spans[0][0]:spans[0][0] + numel(shape)].view(shape)
+    return out
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

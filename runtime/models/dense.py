@@ -1,0 +1,242 @@
+"""The dense decoder families in plain torch, one stage at a time: the math behind each task.
+
+llama, mistral, qwen2, qwen3 (RMSNorm, RoPE with default/linear/llama3 scaling, GQA, SwiGLU,
+qwen3's per-head q/k norms) and opt, gpt2 (LayerNorm, learned positions, GELU/ReLU MLP, tied
+embeddings). Each stage is a function of the block's weights and the activation values it reads
+(see ``hetplan.runtime.backend`` for the contract). Knows nothing about plans, queues or tiers:
+it computes on whatever device its tensors are on.
+
+Shapes: B batch, S new tokens per sequence, T cached tokens, D hidden, H query heads, KVH key/value
+heads, hd head dim, G = H / KVH queries per key/value head, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from hetplan.errors import HetplanError
+from hetplan.model import ModelSpec
+from hetplan.runtime import kv_cache
+from hetplan.runtime.models import dense_layout
+from hetplan.runtime.backend import DEFAULT_MAX_TOKENS, StageCall, TensorSpec
+
+_ACTS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+         "gelu_new": lambda t: F.gelu(t, approximate="tanh"),
+         "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+_READS = {"embed": ("ids",), "attn_in": ("x",), "attn_core": ("q", "k", "v"), "attn_out": ("x", "o"),
+          "mlp": ("x",), "head": ("x",)}
+_WRITES = {"embed": ("x",), "attn_in": ("q", "k", "v"), "attn_core": ("o",), "attn_out": ("x",),
+           "mlp": ("x",), "head": ("logits",)}
+
+
+def inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Rotary inverse frequencies, fp32 [hd/2]: theta^(-2i/hd), rescaled per ``rope_scaling``
+    (``linear``: / factor; ``llama3``: long wavelengths / factor, a smooth blend in between)."""
+    hd = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    sc = spec.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if sc.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HetplanError(f"model {spec.name!r}: partial rotary embeddings are not supported by the runtime")
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind == "llama3":
+        factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, blended, scaled)
+    raise HetplanError(f"model {spec.name!r}: rope scaling {kind!r} is not supported by the runtime "
+                       f"(supported: default, linear, llama3)")
+
+
+class DenseBackend:
+    """Executes embed, attn_in, attn_core, attn_out, mlp and head stages of a dense family."""
+
+    kinds = frozenset(_READS)
+
+    def __init__(self, spec: ModelSpec):
+        if spec.act not in _ACTS:
+            raise HetplanError(f"model {spec.name!r}: activation {spec.act!r} is not supported by the "
+                               f"runtime (supported: {', '.join(sorted(_ACTS))})")
+        self.spec = spec
+        self.act = _ACTS[spec.act]
+        # The dtype stages compute in: the weights' own, or (quantised weights) the one the run
+        # dequantises into, set before ``setup``.
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.weight_dtype, torch.float32)
+        self.llama_like = spec.arch not in ("opt", "gpt2")
+        self.pos_offset = 2 if spec.arch == "opt" else 0
+        # OPT scales q before attention (and attends with scale 1); the others scale in attention.
+        self.q_scale = spec.head_dim ** -0.5 if spec.arch == "opt" else None
+        self.rope_inv_freq = inv_freq(spec) if spec.pos == "rope" else None
+        self._tables = {}  # device -> (cos [T, hd], sin [T, hd]) in the compute dtype
+
+    # -- the backend interface ---------------------------------------------------------------
+    def block_tensors(self, block: str, kind: str, layer: int | None) -> list[TensorSpec]:
+        return dense_layout.block_tensors(self.spec, kind, layer)
+
+    def fused(self) -> dict[str, tuple[str, ...]]:
+        return dense_layout.FUSED
+
+    def reads(self, kind: str) -> tuple[str, ...]:
+        return _READS[kind]
+
+    def writes(self, kind: str) -> tuple[str, ...]:
+        return _WRITES[kind]
+
+    def kv_shapes(self, batch: int, max_tokens: int) -> dict[str, tuple]:
+        shape = (batch, max_tokens, self.spec.n_kv_heads, self.spec.head_dim)
+        return {"k": shape, "v": shape}
+
+    def setup(self, device: torch.device, max_tokens: int | None = None) -> None:
+        if self.rope_inv_freq is None or device in self._tables:
+            return
+        max_tokens = max_tokens or min(self.spec.max_positions, DEFAULT_MAX_TOKENS)
+        t = torch.arange(max_tokens, dtype=torch.int64).float()
+        freqs = torch.outer(t, self.rope_inv_freq)           # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)               # [T, hd]
+        self._tables[device] = (emb.cos().to(device, self.dtype), emb.sin().to(device, self.dtype))
+
+    def run(self, call: StageCall) -> dict[str, torch.Tensor]:
+        return getattr(self, f"_{call.kind}")(call)
+
+    # -- stages ------------------------------------------------------------------------------
+    def _embed(self, c: StageCall) -> dict:
+        ids = c.inputs["ids"]                                  # [B, S] int64
+        x = F.embedding(ids, c.weights["tok"]).to(self.dtype)  # [B, S, D] (fp16 tables of quantised plans)
+        if "pos" in c.weights:
+            lo = c.step.start + self.pos_offset
+            x += c.weights["pos"][lo:lo + c.step.new_tokens]  # [S, D] broadcast over B
+        return {"x": x}
+
+    def _attn_in(self, c: StageCall) -> dict:
+        w, s, x = c.weights, self.spec, c.inputs["x"]
+        b, n = x.shape[0], x.shape[1]
+        h = self._norm(x, w)
+        if "qkv_t" in w:
+            q, k, v = torch.addmm(w["qkv_bias"], h.view(b * n, -1), w["qkv_t"]).split(s.hidden, dim=-1)
+        elif "qkv" in w:
+            kv_dim = s.n_kv_heads * s.head_dim
+            q, k, v = F.linear(h, w["qkv"], w.get("qkv_bias")).split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
+        else:
+            q, k, v = (F.linear(h, w[p], w.get(f"{p}_bias")) for p in ("q", "k", "v"))
+        q = q.reshape(b, n, s.n_heads, s.head_dim)             # [B, S, H, hd]
+        k = k.reshape(b, n, s.n_kv_heads, s.head_dim)          # [B, S, KVH, hd]
+        v = v.reshape(b, n, s.n_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = _rms_norm(q, w["q_norm"], s.norm_eps), _rms_norm(k, w["k_norm"], s.norm_eps)
+        if self.rope_inv_freq is not None:
+            cos, sin = self._tables[c.device]
+            cos = cos[c.step.start:c.step.start + n].view(1, n, 1, -1)
+            sin = sin[c.step.start:c.step.start + n].view(1, n, 1, -1)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        return {"q": q, "k": k, "v": v}
+
+    def _attn_core(self, c: StageCall) -> dict:
+        q, k, v = c.inputs["q"], c.inputs["k"], c.inputs["v"]
+        start, n = c.step.start, c.step.new_tokens
+        if c.kv is not None:
+            kv_cache.write(c.kv["k"], start, k)
+            kv_cache.write(c.kv["v"], start, v)
+            if start:  # after the prompt, attend over the cache (quantised: a transient copy, kv_cache.read)
+                k, v = kv_cache.read(c.kv["k"], start + n, q.dtype), kv_cache.read(c.kv["v"], start + n, q.dtype)
+        return {"o": attention(q, k, v, start, scale=1.0 if self.q_scale is not None else None)}
+
+    def _attn_out(self, c: StageCall) -> dict:
+        w, o, x = c.weights, c.inputs["o"], c.inputs["x"]
+        y = torch.matmul(o, w["o_t"]) if "o_t" in w else F.linear(o, w["o"])
+        if "o_bias" in w:
+            y += w["o_bias"]
+        return {"x": y.add_(x)}
+
+    def _mlp(self, c: StageCall) -> dict:
+        w, x = c.weights, c.inputs["x"]
+        h = self._norm(x, w)
+        if "gate_up" in w:
+            gate, up = F.linear(h, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
+            y = F.linear(self.act(gate).mul_(up), w["down"], w.get("down_bias"))
+        elif "gate" in w:
+            y = self.act(F.linear(h, w["gate"], w.get("gate_bias"))).mul_(F.linear(h, w["up"], w.get("up_bias")))
+            y = F.linear(y, w["down"], w.get("down_bias"))
+        elif "up_t" in w:
+            y = torch.matmul(self.act(torch.matmul(h, w["up_t"]).add_(w["up_bias"])), w["down_t"]).add_(w["down_bias"])
+        else:
+            y = F.linear(self.act(F.linear(h, w["up"], w.get("up_bias"))), w["down"], w.get("down_bias"))
+        return {"x": y.add_(x)}
+
+    def _head(self, c: StageCall) -> dict:
+        x = c.inputs["x"]
+        if not c.step.all_logits:
+            x = x[:, -1]                                       # [B, D]: only the last position
+        logits = F.linear(self._norm(x, c.weights), c.weights["lm"])
+        return {"logits": logits.float()}                      # [B, V] or [B, S, V]
+
+    def _norm(self, x: torch.Tensor, w) -> torch.Tensor:
+        if self.spec.norm == "rmsnorm":
+            return _rms_norm(x, w["norm"], self.spec.norm_eps)
+        return F.layer_norm(x, (x.shape[-1],), w["norm"], w["norm_bias"], self.spec.norm_eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps), the mean taken in fp32 over the last dim."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half([a, b]) = [-b, a] over the last dim."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+SMALL_ATTENTION_ELEMS = 1 << 18
+"""Decode attention over at most this many cached key elements runs on one CPU thread: it takes
+microseconds, less than forking and joining a team of threads (far less on a busy machine)."""
+
+
+@contextmanager
+def _one_cpu_thread(active: bool):
+    if not active:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)   # this thread's setting only
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v over T keys; q [B, S, H, hd] holds positions
+    start..start+S-1, k/v [B, T, KVH, hd] positions 0..T-1; returns [B, S, H*hd]."""
+    b, n, h, hd = q.shape
+    kvh = k.shape[2]
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)              # [B, KVH, T, hd]
+    if n == 1:
+        # One query per sequence sees every cached key: the G query heads sharing a key/value
+        # head ride the sequence axis, so no key/value head is ever repeated.
+        with _one_cpu_thread(q.device.type == "cpu" and k.numel() <= SMALL_ATTENTION_ELEMS):
+            o = F.scaled_dot_product_attention(q.reshape(b, kvh, h // kvh, hd), kt, vt, scale=scale)
+        return o.reshape(b, 1, h * hd)
+    mask = None
+    if start:
+        t = k.shape[1]
+        mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=mask, is_causal=not start,
+                                       scale=scale, enable_gqa=kvh != h)
+    return o.transpose(1, 2).reshape(b, n, h * hd)             # [B, S, H*hd]

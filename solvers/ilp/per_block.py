@@ -1,0 +1,360 @@
+"""The placement MILPs: exact for the plan's task model, solved by HiGHS through PuLP.
+
+``solve`` runs one MILP per configuration (staging depth, slot size): the count MILP of
+``layers`` when the model's layers are all alike, else the per-block MILP below. For the
+per-block MILP, steps: (1) variables, (2) the objective, (3) constraint families (``constraints``, one
+function each with its math), (4) solve with a time limit, (5) read the decision and the true
+status and gap. The model is a pure function of the Problem; ``dump_lp`` writes it.
+
+It knows the task rules of ``hetplan.schedule`` (which tasks exist, queue order, edges) and
+encodes them as constraints in its own code; it does not call the schedule builder.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from hetplan.errors import HetplanError
+from hetplan.graph import PHASES
+from hetplan.plan import Decision
+from hetplan.problem import Problem
+from hetplan.solvers.ilp import constraints as C
+from hetplan.solvers.ilp.constraints import MODES
+from hetplan.solvers.ilp.experts import ExpertVars
+from hetplan.solvers.ilp.layers import LayerModel, layered
+from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, copy_s, duration_ms, highs_solver,
+                                           run_highs)
+from hetplan.solvers.ilp.objective import gap as gap_of
+
+
+COUNT_NODES_PER_NODE = 100
+
+
+def memory_unit(problem: Problem) -> float:
+    """Bytes per unit of the model's memory rows: GiB, or KiB when a budget is under a GiB
+    (HiGHS accepts rows violated by up to about 1e-6 units, which must stay small beside the
+    budget)."""
+    return float(1 << 30) if min(problem.gpu_budget_bytes, problem.cpu_budget_bytes) >= 1 << 30 else 1024.0
+
+
+@dataclass(frozen=True)
+class IlpOptions:
+    depths: tuple = (2, 1)
+    """Staging depths tried, in order; the best plan over them wins (each later depth is cut off
+    at the best objective found so far)."""
+    time_limit_s: float = 120.0
+    """Wall-clock safety net per MILP solved. A plan stopped by it may differ between machines."""
+    max_nodes: int = 30
+    """Branch-and-bound nodes per MILP solved: the deterministic limit (same plan on every
+    machine). A count MILP (``layers``) gets ``COUNT_NODES_PER_NODE`` times as many: its
+    nodes are LPs of a few dozen rows."""
+    mip_rel_gap: float = 1e-4
+    threads: int = 1
+    stream_cold: bool = False
+    """Also consider streaming a resident MoE block's cold experts per phase (exact, but it
+    makes MoE models several times slower to solve)."""
+    count_layers: bool = True
+    """Solve a model of identical layers with the count MILP (``layers``); False forces the
+    per-block MILP (a cross-check: both are exact)."""
+    dump_lp: str | None = None
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    decision: Decision | None
+    status: str
+    """``optimal`` (within ``mip_rel_gap``), ``node_limit`` or ``time_limit`` (best found, not
+    proven: see ``mip_gap``), ``infeasible``."""
+    mip_gap: float
+    objective_s: float
+    bound_s: float
+    """A proven lower bound on the objective over every placement and depth tried."""
+    solve_seconds: float
+    n_binaries: int
+    n_constraints: int
+
+
+class _Model:
+    """The MILP for one staging depth, with handles on the variables the decision is read from."""
+
+    def __init__(self, problem: Problem, depth: int, slot_bytes: float | None = None, tag: str = "",
+                 stream_cold: bool = False):
+        """``slot_bytes``: a fixed staging slot size (only blocks no larger are streamed; the
+        slots cost ``depth * slot_bytes`` of HBM), or None for a slot sized by the model."""
+        self.problem, self.depth, self.slot_bytes = problem, depth, slot_bytes
+        blocks = problem.blocks
+        self.prob = pulp.LpProblem(f"hetplan_placement_depth{depth}{tag}", pulp.LpMinimize)
+        # (1) variables -------------------------------------------------------------------
+        self.r = {b.name: pulp.LpVariable(f"r_{b.name}", cat="Binary") for b in blocks}
+        self.s = {(b.name, p): pulp.LpVariable(f"s_{b.name}_{p}", cat="Binary")
+                  for b in blocks if b.streamable and (slot_bytes is None or b.weight_bytes <= slot_bytes)
+                  for p in PHASES}
+        self.k = {b.name: pulp.LpVariable(f"k_{b.name}", cat="Binary") for b in blocks if b.kind == "attn"}
+        unit = memory_unit(problem)
+        self.sigma = pulp.LpVariable("slot_units", lowBound=0) if slot_bytes is None else slot_bytes / unit
+        self.T = {p: pulp.LpVariable(f"T_{p}", lowBound=0) for p in PHASES}
+        self.has_core = {b.name: False for b in blocks if b.kind == "attn"}
+        for st in problem.graph.stages["decode"]:
+            if st.follows == "kv":
+                self.has_core[st.block] = True
+        self.xv = ExpertVars(self.prob, problem, self.r, slot_bytes if stream_cold else None, depth)
+        resident = {b.name: (b.weight_bytes / unit) * self.r[b.name] for b in blocks}
+        resident.update({b: self.xv.resident_units(b, unit) for b in self.xv.layers})
+        # (3) constraint families on placement and memory ----------------------------------
+        C.add_exec_choice(self.prob, self.r, self.s, blocks, PHASES)
+        C.add_kv_beside_compute(self.prob, self.r, self.s, self.k, blocks, PHASES, self.has_core)
+        if slot_bytes is None:
+            C.add_slot_size(self.prob, self.s, self.sigma, blocks, PHASES, unit)
+        C.add_memory(self.prob, resident, self.r, self.s, self.k, self.sigma, blocks, PHASES, depth,
+                     problem.gpu_budget_bytes, problem.cpu_budget_bytes,
+                     problem.gpu_workspace_bytes, problem.cpu_workspace_bytes, unit)
+        for p in PHASES:
+            self._timeline(p)
+        # (2) objective ----------------------------------------------------------------------
+        self.weights = Weights(problem, self._slowest_s)
+        self.prob += self.weights.weighted_ms(self.T), "objective_ms"
+
+    def _slowest_s(self, p, c) -> float:
+        """A stage's longest time over its devices (and, for an MoE block, every expert split)."""
+        slowest = max(c.gpu_s, c.cpu_s)
+        if c.stage.block in self.xv.layers:
+            slowest = max(slowest, self.xv.max_split_s(p, c.stage.block))
+        return slowest
+
+    def _modes(self, p):
+        """(block, mode) -> indicator expression of block b executing in mode G, S or C in phase p."""
+        mode = {}
+        for b in self.problem.blocks:
+            r, s = self.r[b.name], self.s.get((b.name, p))
+            mode[b.name, "G"] = r
+            if s is not None:
+                mode[b.name, "S"] = s
+            mode[b.name, "C"] = 1 - r - (s if s is not None else 0)
+        return mode
+
+    def _min_duration(self, p, name, costs, m):
+        """Least block duration in mode ``m`` over the KV choices that mode allows (a number)."""
+        g = 1 if m in ("G", "S") else 0
+        if m == "G" and name in self.xv.layers:
+            return MS * self.xv.min_split_s(p, name)
+        ks = (0, 1) if g and self.has_core.get(name) else ((g,) if name in self.k else (0,))
+        return min(duration_ms(costs, g, k) for k in ks)
+
+    def _timeline(self, p):
+        pr, prob = self.problem, self.prob
+        names = [b.name for b in pr.blocks]
+        costs = block_costs(pr, p)
+        mode = self._modes(p)
+        S = {n: pulp.LpVariable(f"S_{p}_{n}", lowBound=0) for n in names}
+        E = {}
+        for n in names:
+            g = self.r[n] + self.s.get((n, p), 0)
+            k = self.k.get(n, g if n in self.k else 0)
+            if n in self.xv.layers:  # resident: the expert split; else one whole-block stage
+                c, s = costs[n][0], self.s.get((n, p), 0)
+                base = MS * c.cpu_s * (1 - self.r[n] - s) + MS * c.gpu_s * s
+                E[n] = self.xv.end(p, n, S[n], base)
+            else:
+                E[n] = S[n] + duration_ms(costs[n], g, k)
+        # pair variables and activation copies between blocks
+        pairs = list(zip(names, names[1:]))
+        y, xfer = {}, {}
+        for prev, cur in pairs:
+            for m in MODES:
+                for n_ in MODES:
+                    if (cur, m) in mode and (prev, n_) in mode:
+                        y[cur, m, n_] = pulp.LpVariable(f"y_{p}_{cur}_{m}{n_}", lowBound=0, upBound=1)
+            first = costs[cur][0]
+            xfer[cur] = pulp.lpSum(MS * self._copy_s(first, m, n_) * y[cur, m, n_]
+                                   for m in MODES for n_ in MODES if (cur, m, n_) in y)
+        C.add_pair_consistency(prob, y, mode, pairs, p)
+        C.add_chain(prob, S, E, pairs, xfer, p)
+        # weight loads, issued when the block before ends (depth 1) or starts (depth 2)
+        streamed = [n for n in names if (n, p) in self.s or self.xv.streamed(n, p)]
+        load = {n: (MS * pr.load_s[n] * self.s[n, p] if (n, p) in self.s else 0)
+                + (self.xv.load_ms(p, n) if self.xv.streamed(n, p) else 0) for n in streamed}
+        issue = {cur: (E if self.depth == 1 else S)[prev] for prev, cur in pairs}
+        C.add_load_edges(prob, S, issue, load, p)
+        C.add_window_pair_cuts(prob, S, issue, y, self._pair_gaps(p, names, costs, streamed), p)
+        # the prompt's KV copied down (prefill, attention on the GPU, cache in DRAM)
+        ends = [E[names[-1]]]
+        if p == "prefill":
+            cores = [n for n in names if n in self.k and self.has_core[n]]
+            SK = {n: pulp.LpVariable(f"SK_{p}_{n}", lowBound=0) for n in cores}
+            EK, core_end = {}, {}
+            for n in cores:
+                g = self.r[n] + self.s.get((n, p), 0)
+                upto = 1 + next(i for i, c in enumerate(costs[n]) if c.stage.kind == "attn_core")
+                core_end[n] = S[n] + duration_ms(costs[n], g, g, upto)
+                EK[n] = SK[n] + MS * pr.kv_down_s[n] * (g - self.k[n])
+            C.add_kv_down_edges(prob, SK, EK, core_end, p)
+            C.add_queue_order(prob, SK, EK, cores, "d2h", p)
+            ends += [EK[cores[-1]]] if cores else []
+        C.add_makespan(prob, self.T[p], ends, p)
+
+    @staticmethod
+    def _copy_s(first_stage_cost, m, n_):
+        """Copy time of a block's input when it runs in mode m after a block in mode n_."""
+        return copy_s(first_stage_cost, m in ("G", "S"), n_ in ("G", "S"))
+
+    def _pair_gaps(self, p, names, costs, streamed):
+        """block -> {(m, n): least time from its load's issue (the end of block b-1 at depth 1,
+        its start at depth 2) to S_b, in that pair of modes}."""
+        keys = set(self._modes(p))
+        gaps = {}
+        for i, cur in enumerate(names):
+            if i < 1 or cur not in streamed:
+                continue
+            prev = names[i - 1]
+            first = costs[cur][0]
+            table = {}
+            for m in MODES:
+                for n_ in MODES:
+                    if (cur, m) not in keys or (prev, n_) not in keys:
+                        continue
+                    chain = MS * self._copy_s(first, m, n_)
+                    if self.depth == 2:
+                        chain += self._min_duration(p, prev, costs[prev], n_)
+                    load = MS * self.problem.load_s[cur] if m == "S" else 0.0
+                    table[m, n_] = max(load, chain)
+            gaps[cur] = table
+        return gaps
+
+    # (4) solve -------------------------------------------------------------------------------
+    def solve(self, opts: IlpOptions, cutoff_s: float | None = None) -> IlpResult:
+        if opts.dump_lp:
+            self.prob.writeLP(opts.dump_lp)
+        solver = highs_solver(opts, self.weights.cutoff_ms(cutoff_s) if cutoff_s is not None else None,
+                              mip_max_nodes=opts.max_nodes, mip_heuristic_effort=0.01)
+        t0 = time.perf_counter()
+        status, info = run_highs(self.prob, solver)
+        elapsed = time.perf_counter() - t0
+        size = (sum(1 for v in self.prob.variables() if v.cat == "Integer"), len(self.prob.constraints))
+        obj, bound = self.weights.read(self.T, status, info)
+        if obj == float("inf"):  # no feasible solution
+            return IlpResult(None, status, float("inf"), float("inf"), bound, elapsed, *size)
+        return IlpResult(self.decision(), status, gap_of(obj, bound), obj, bound, elapsed, *size)
+
+    # (5) read the decision ----------------------------------------------------------------------
+    def decision(self) -> Decision:
+        on = lambda v: v is not None and (v.value() or 0) > 0.5  # noqa: E731
+        weights, exec_, kv = {}, {p: {} for p in PHASES}, {}
+        for b in self.problem.blocks:
+            streamed = {p: on(self.s.get((b.name, p))) for p in PHASES}
+            if on(self.r[b.name]):
+                weights[b.name] = "gpu"
+            else:
+                weights[b.name] = "stream" if any(streamed.values()) else "cpu"
+            for p in PHASES:
+                if weights[b.name] == "gpu":
+                    exec_[p][b.name] = "stream" if self.xv.streams_cold(b.name, p) else "gpu"
+                else:
+                    exec_[p][b.name] = "stream" if streamed[p] else "cpu"
+            if b.name in self.k:
+                kv[b.name] = "gpu" if on(self.k[b.name]) else "cpu"
+        experts = {b: self.xv.hot_count(b) for b in self.xv.layers if weights[b] == "gpu"}
+        return Decision(weights, exec_, kv, depth=self.depth, experts=experts)
+
+
+def configurations(problem: Problem, depths, by_slot: bool) -> list:
+    """(staging depth, slot bytes or None) of every MILP solved; the best over them is the
+    optimum, and each one's bound is valid, so the least bound bounds the optimum.
+
+    ``by_slot`` False: one MILP per depth, its slot sized by the model (``add_slot_size``).
+    True (MoE models, and models of identical layers, which the count MILP solves): for each
+    depth, one MILP per size a slot can take (the distinct sizes of streamable blocks, smallest
+    first), then one without streaming (slot 0). Every placement belongs to one of these (its
+    depth and its largest streamed block). With the slot fixed, its memory stays out of the LP
+    relaxation, where a fractionally streamed block would pay only that fraction of a slot and
+    the HBM freed that way buys resident weights or hot experts: the bound is weak (DeepSeek-V3
+    on a 24 GB GPU: proven optimal in about 4 s this way, a 0.1% gap left at the node limit the
+    other). The per-block MILP of a dense model with layers that differ keeps one model per
+    depth, because its extra MILPs cost more time than they prove (bench/RESULTS.md)."""
+    if not by_slot:
+        return [(d, None) for d in depths]
+    sizes = sorted({b.weight_bytes for b in problem.blocks if b.streamable})
+    return [(d, w) for d in depths for w in sizes] + [(1, 0.0)]
+
+
+def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
+                  cutoff_s: float | None) -> IlpResult | None:
+    """The count MILP of one configuration (``layers``), or None when the plan it finds
+    replays slower than the MILP's value (the prompt's KV copies, which it leaves out, end after
+    the chain): the per-block MILP must then decide this configuration."""
+    from hetplan.evaluate import objective_s, predictions
+    from hetplan.schedule import build_schedule
+
+    cutoff_ms = model.weights.cutoff_ms(cutoff_s) if cutoff_s is not None else None
+    dec, status, obj, bound, secs, size = model.result(*model.solve(opts, cutoff_ms))
+    if dec is None:
+        return IlpResult(None, status, float("inf"), float("inf"), bound, secs, *size)
+    replayed = objective_s(problem, predictions(problem, build_schedule(problem, dec)))
+    if replayed > obj * (1 + 1e-9) + 1e-12:
+        return None
+    return IlpResult(dec, status, gap_of(obj, bound), obj, bound, secs, *size)
+
+
+def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
+    """Solve the MILP of every configuration (``configurations``: staging depths of
+    ``opts.depths``, and for MoE models and models of identical layers slot sizes); return the
+    best decision, with the bound and gap over all of them (the optimum is >= the least
+    configuration bound). A model of identical layers is solved by the count MILP
+    (``layers``), any other by the per-block MILP. No MIP start is handed to HiGHS: with a
+    partial start (the placement binaries of a baseline) HiGHS 1.16 declared worse plans optimal
+    on small dense models at depth 2 (``tests/test_ilp_layers.py`` cross-checks both MILPs)."""
+    opts = opts or IlpOptions()
+    if not problem.has_gpu:
+        from hetplan.solvers.baselines import all_cpu
+        return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
+    shape = layered(problem) if opts.count_layers and not opts.stream_cold else None
+    results = []
+    configs = configurations(problem, opts.depths, bool(problem.experts) or shape is not None)
+    layer_models = {}
+    if shape is not None:  # the count MILPs, in order of their LP bounds
+        unit = memory_unit(problem)
+        layer_models = {c: LayerModel(problem, shape, c[0], c[1], unit) for c in configs}
+        lp = {c: m.lp_bound_s(opts) for c, m in layer_models.items()}
+        configs = sorted(configs, key=lambda c: (lp[c], configs.index(c)))
+    for depth, slot in configs:
+        tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
+        dump = f"{opts.dump_lp.removesuffix('.lp')}{tag}.lp" if opts.dump_lp else None
+        found = [r.objective_s for r in results if r.decision is not None]
+        cutoff = min(found) if found else None
+        config_opts = IlpOptions(**{**opts.__dict__, "dump_lp": dump})
+        res = None
+        if (depth, slot) in layer_models:
+            config_opts = IlpOptions(**{**config_opts.__dict__, "max_nodes": opts.max_nodes * COUNT_NODES_PER_NODE})
+            model = layer_models[depth, slot]
+            if cutoff is not None and lp[depth, slot] >= cutoff * (1 - opts.mip_rel_gap):
+                # its LP bound proves it cannot beat the plan found (within the gap tolerance)
+                results.append(IlpResult(None, "optimal", 0.0, float("inf"), min(lp[depth, slot], cutoff),
+                                         0.0, *model.size()))
+                continue
+            res = _solve_layers(problem, model, config_opts, cutoff)
+        if res is None:
+            res = _Model(problem, depth, slot, stream_cold=opts.stream_cold).solve(config_opts, cutoff_s=cutoff)
+        if res.decision is None and found and res.status in ("infeasible", "objective_bound"):
+            # nothing better than the cutoff exists at this depth: the cutoff is its bound
+            res = IlpResult(None, "optimal", 0.0, float("inf"), min(found), res.solve_seconds,
+                            res.n_binaries, res.n_constraints)
+        results.append(res)
+    if not results:
+        raise HetplanError("the ILP was given no staging depth to try")
+    total = sum(r.solve_seconds for r in results)
+    feasible = [r for r in results if r.decision is not None]
+    bound = min(r.bound_s for r in results)
+    if not feasible:
+        status = "infeasible" if all(r.status == "infeasible" for r in results) else results[0].status
+        return IlpResult(None, status, float("inf"), float("inf"), bound, total,
+                         results[0].n_binaries, results[0].n_constraints)
+    best = min(feasible, key=lambda r: r.objective_s)
+    gap = gap_of(best.objective_s, bound)
+    # Every configuration's bound is valid whether or not its search finished, so the least
+    # of them bounds the optimum: within the gap tolerance of it, the plan is proven optimal.
+    status = "optimal" if gap <= opts.mip_rel_gap * (1 + 1e-9) else \
+        next((r.status for r in results if r.status not in ("optimal", "infeasible", "objective_bound")),
+             "optimal")
+    return IlpResult(best.decision, status, gap, best.objective_s, bound, total, best.n_binaries, best.n_constraints)

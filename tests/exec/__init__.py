@@ -1,0 +1,1 @@
+"""The runtime: plan execution, numerics against transformers, weights, KV caches, scheduling."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts models: planning (expert splits, routing statistics) and execution."""

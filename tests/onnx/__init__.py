@@ -1,0 +1,1 @@
+"""ONNX decoder exports: import, planning and execution against onnxruntime."""
