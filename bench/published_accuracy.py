@@ -14,7 +14,8 @@ against published with the signed error (predicted - published) / published.
 cpu_flops) or ``latency:`` (gpu_task, cpu_task, link_task, seconds) key. ``--fit`` grid-searches the
 named constants for the least median |error| over the selected points and reports leave-one-out
 error: for each point, the constants fitted on the other n-1 predict it (fit_constants()). Every
-compile is the ``hetplan compile`` command line (``python -m hetplan``, run one at a time), so a row
+compile is the ``hetplan compile`` command line (run in this process; ``--python`` runs each in its
+own process), so a row
 can be reproduced by hand from the node.yaml and config.json it writes (``--keep DIR``).
 
 The point format is in bench/published/README.md. Exit 2 when a file or point is malformed (one
@@ -25,6 +26,8 @@ cannot compile is a FAILED row with hetplan's reason, left out of the statistics
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
 import re
@@ -233,25 +236,36 @@ def compile_cmd(p: dict, work: Path, overrides: dict) -> list[str]:
 
 
 class Runner:
-    """Compiles points one at a time with ``python -m hetplan``; caches by (point, constants)."""
+    """Compiles points one at a time through the ``hetplan compile`` command line (in this process
+    by default, or with ``python -m hetplan`` when ``python`` is given); caches by (point, constants)."""
 
-    def __init__(self, python: str, keep: Path | None = None, verbose: bool = False):
+    def __init__(self, python: str | None, keep: Path | None = None, verbose: bool = False):
         self.python, self.keep, self.verbose, self.cache = python, keep, verbose, {}
         self.tmp = Path(tempfile.mkdtemp(prefix="hetplan-published-"))
+
+    def _run(self, args: list[str]) -> tuple[int, str, str]:
+        if self.python:
+            res = subprocess.run([self.python, "-m", "hetplan", *args], capture_output=True, text=True, timeout=600)
+            return res.returncode, res.stdout, res.stderr
+        from hetplan.cli import main as hetplan_main  # the same command line, without a process start
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = hetplan_main(args)
+        return rc, out.getvalue(), err.getvalue()
 
     def predict(self, p: dict, overrides: dict) -> tuple[float | None, str]:
         key = (p["id"], tuple(sorted(overrides.items())))
         if key not in self.cache:
             work = (self.keep or self.tmp) / p["id"]
-            cmd = [self.python, "-m", "hetplan", *compile_cmd(p, work, overrides)]
+            args = compile_cmd(p, work, overrides)
             if self.verbose:
-                print("$ hetplan " + " ".join(cmd[3:]), file=sys.stderr, flush=True)
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if res.returncode:
-                lines = (res.stderr or res.stdout).strip().splitlines() or [f"exit {res.returncode}"]
+                print("$ hetplan " + " ".join(args), file=sys.stderr, flush=True)
+            rc, out, err = self._run(args)
+            if rc:
+                lines = (err or out).strip().splitlines() or [f"exit {rc}"]
                 self.cache[key] = (None, lines[-1].removeprefix("hetplan: error: "))
             else:
-                self.cache[key] = (float(json.loads(res.stdout)["predicted"][p["metric"]]), "")
+                self.cache[key] = (float(json.loads(out)["predicted"][p["metric"]]), "")
         return self.cache[key]
 
 
@@ -353,9 +367,8 @@ def parse_constants(items: list[str], flag: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DATA, help="Directory of published-point files.")
-    venv = ROOT / ".venv" / "bin" / "python"
-    ap.add_argument("--python", default=str(venv if venv.exists() else sys.executable),
-                    help="Interpreter that runs `-m hetplan` (default: the repository's .venv).")
+    ap.add_argument("--python", default=None,
+                    help="Run each compile as `PYTHON -m hetplan` in its own process (default: in this process).")
     ap.add_argument("--check", action="store_true", help="Validate the files and exit.")
     ap.add_argument("--only", action="append", default=[], help="Keep points whose id contains this (repeatable).")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="A constant for every node.yaml.")
