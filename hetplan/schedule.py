@@ -61,7 +61,7 @@ def _split_tasks(x, n: int, block: str, slot: int | None = None) -> tuple[list, 
     up = Task(id=f"act_up/moe_merge/{block}", resource="h2d_act", block=block, kind="act_up",
               duration_s=x.up_s(n), bytes=x.up_bytes(n))
     merge = Task(id=f"moe_merge/{block}", resource="gpu", block=block, kind="moe_merge",
-                 duration_s=x.merge_s(n), bytes=x.merge_bytes(n))
+                 duration_s=x.merge_s(n) + x.wait_s(n), bytes=x.merge_bytes(n))
     edges = [(route.id, hot.id), (route.id, down.id), (down.id, cold.id), (cold.id, up.id),
              (up.id, merge.id), (hot.id, merge.id)]
     return [route, hot, down, cold, up, merge], edges
