@@ -4,7 +4,8 @@ One rule set, used for every strategy: which tasks exist (stages on their device
 copies where consecutive stages change device, weight loads of streamed blocks, the prompt's KV
 copied down when the cache lives in DRAM; an MoE block resident on the GPU split into its hot
 and cold experts, ``hetplan.experts``, its cold experts loaded like a streamed block's weights
-in a phase whose exec says ``stream``), the order of tasks on each resource, and the
+in a phase whose exec says ``stream``; its tasks carry expected times and its merge the expected
+wait for the later side, so the block's span is its expected makespan), the order of tasks on each resource, and the
 dependency edges. Times are the earliest start of each task given both (a longest path).
 The ILP encodes the same rules as constraints in its own code; the simulator replays the result
 independently.
