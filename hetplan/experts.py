@@ -180,17 +180,6 @@ class ExpertLayer:
         """``split_s(n)`` for n = 0 .. E: the table the MILPs index by hot count."""
         return self.expected.split_s
 
-    def classes(self) -> list[tuple[int, int]]:
-        """Runs of consecutive ranks with equal fractions: [(first rank, size)]. Experts of one
-        class are interchangeable, so the MILP counts them with one integer."""
-        out = []
-        for j, f in enumerate(self.fraction):
-            if out and self.fraction[out[-1][0]] == f:
-                out[-1] = (out[-1][0], out[-1][1] + 1)
-            else:
-                out.append((j, 1))
-        return out
-
 
 def rooflines(spec: ModelSpec, hw: HardwareSpec) -> dict:
     """The achievable rates the expert costs use (same formulas as ``hetplan.cost``)."""
