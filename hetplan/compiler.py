@@ -153,16 +153,30 @@ def _at_least_baselines(problem: Problem, dec, info, baseline: tuple):
     return best, info
 
 
-def compile_plan(req: CompileRequest) -> tuple[Plan, float]:
-    """Compile ``req`` -> (plan, solve seconds). Raises InfeasibleError with the missing bytes."""
+@dataclass(frozen=True)
+class CompileTime:
+    """How long a compile took, every stage included (inputs, problem building, LP bounds,
+    every MILP, plan assembly; every batch of a throughput search)."""
+    wall_s: float
+    cpu_s: float
+    """Process CPU time (all threads)."""
+    solve_s: float
+    """Of which the solver's own time (the MILPs, or a baseline's decision)."""
+
+
+def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
+    """Compile ``req`` -> (plan, compile time). Raises InfeasibleError with the missing bytes."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     strategy, arg = parse_strategy(req.strategy)
     spec, hw = load_inputs(req)
     routing = load_request_routing(req, spec)
     if req.weight_dtype == "auto":
         spec = _auto_dtype(spec, hw, _workload(req), req)
     if req.objective == "throughput":
-        return _best_batch(spec, hw, req, strategy, arg, routing)
-    return _compile_one(spec, hw, _workload(req), req, strategy, arg, routing)
+        plan, solve_s = _best_batch(spec, hw, req, strategy, arg, routing)
+    else:
+        plan, solve_s = _compile_one(spec, hw, _workload(req), req, strategy, arg, routing)
+    return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
 
 
 def _compile_one(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan, float]:

@@ -24,14 +24,19 @@ Per expert ``j`` (routing fraction ``f_j`` = share of tokens that choose it, sum
     wbytes_j = hit_j W_e             (W_e = bytes of one expert's weights)
     rows_j  = T f_j D a              (the pair rows of expert j: hidden D, activation bytes a)
 
-GPU part  = roofline(F_sh + sum_hot flops_j, B_sh + sum_hot (wbytes_j + 2 rows_j)) on the GPU
-CPU part  = roofline(sum_cold flops_j, sum_cold (wbytes_j + 2 rows_j)) on the CPU
+Expected work per task (the FLOPs and bytes a task records):
+
+GPU part  = (F_sh + sum_hot flops_j, B_sh + sum_hot (wbytes_j + 2 rows_j)) on the GPU
+CPU part  = (sum_cold flops_j, sum_cold (wbytes_j + 2 rows_j)) on the CPU
 copies    = d2h of sum_cold (rows_j + 8 T f_j)  (rows, token index and gate),
             h2d of sum_cold rows_j
 merge     = roofline(0, 2 T D a + sum_cold rows_j) on the GPU
 
-Every term is a sum over experts, so for a fixed ranking each is linear in the indicators of
-which experts are hot: that is what makes the MILP exact (``solvers/ilp/experts.py``).
+Times are expectations over which experts the tokens hit (``hetplan.expected_split``): the GPU
+and CPU parts are E[roofline] and the block costs E[route + max(GPU part, CPU part + copies) +
+merge], which exceeds the makespan of the expected work when a side runs whole experts or
+none. The merge task carries the difference (``wait_s``), so the task DAG's makespan is the
+expectation. The MILPs take the block time as a table over the hot count n (``split_times``).
 Pure numbers; no solver, no torch.
 """
 
@@ -43,6 +48,7 @@ from itertools import accumulate
 
 from hetplan import cost
 from hetplan.dtypes import compute_dtype
+from hetplan.expected_split import SplitExpectation, split_expectation
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 
@@ -86,6 +92,12 @@ class ExpertLayer:
     """Shared experts' weights plus the block's input and output activations."""
     act_bytes: float
     """T * D * a: one copy of the phase's hidden states."""
+    expert_read_bytes: float
+    """Weight bytes a hit expert reads (P_e * bytes per parameter)."""
+    pair_flops: float
+    """FLOPs of one (token, expert) pair: 2 P_e."""
+    row_bytes: float
+    """Bytes of one pair's row: D a."""
     gpu: Roofline
     cpu: Roofline
     d2h: Roofline
@@ -131,11 +143,23 @@ class ExpertLayer:
     def route_s(self) -> float:
         return self.gpu.seconds(*self.route_work())
 
+    @cached_property
+    def expected(self) -> SplitExpectation:
+        """Expected task and block times over the routing distribution (``hetplan.expected_split``)."""
+        return split_expectation(self, INDEX_BYTES)
+
     def hot_s(self, n: int) -> float:
-        return self.gpu.seconds(*self.hot_work(n))
+        """E[GPU side]: the roofline of the hot experts the tokens hit, in expectation."""
+        return self.expected.hot_s[n]
 
     def cold_s(self, n: int) -> float:
-        return self.cpu.seconds(*self.cold_work(n))
+        """E[CPU compute] of the cold experts the tokens hit."""
+        return self.expected.cold_s[n]
+
+    def wait_s(self, n: int) -> float:
+        """E[max(GPU side, CPU side)] - max of their expectations: the merge waits that much
+        longer on average than the expected sides say (``hetplan.expected_split``)."""
+        return self.expected.wait_s[n]
 
     def down_s(self, n: int) -> float:
         return self.d2h.seconds(0.0, self.down_bytes(n))
@@ -147,28 +171,14 @@ class ExpertLayer:
         return self.gpu.seconds(0.0, self.merge_bytes(n))
 
     def split_s(self, n: int) -> float:
-        """The block's duration with n hot experts: route, then the GPU part beside the CPU
-        part and its copies, then the merge (none when n = E)."""
-        if n >= self.n_experts:
-            return self.route_s() + self.hot_s(n)
-        cpu_side = self.down_s(n) + self.cold_s(n) + self.up_s(n)
-        return self.route_s() + max(self.hot_s(n), cpu_side) + self.merge_s(n)
+        """The block's expected duration with n hot experts: route, then E[max(GPU part, CPU
+        part and its copies)], then the merge (none when n = E)."""
+        return self.expected.split_s[min(n, self.n_experts)]
 
-    @cached_property
+    @property
     def split_times(self) -> tuple:
-        """``split_s(n)`` for n = 0 .. E."""
-        return tuple(self.split_s(n) for n in range(self.n_experts + 1))
-
-    def classes(self) -> list[tuple[int, int]]:
-        """Runs of consecutive ranks with equal fractions: [(first rank, size)]. Experts of one
-        class are interchangeable, so the MILP counts them with one integer."""
-        out = []
-        for j, f in enumerate(self.fraction):
-            if out and self.fraction[out[-1][0]] == f:
-                out[-1] = (out[-1][0], out[-1][1] + 1)
-            else:
-                out.append((j, 1))
-        return out
+        """``split_s(n)`` for n = 0 .. E: the table the MILPs index by hot count."""
+        return self.expected.split_s
 
 
 def rooflines(spec: ModelSpec, hw: HardwareSpec) -> dict:
@@ -206,6 +216,7 @@ def expert_layer(spec: ModelSpec, hw: HardwareSpec, tokens: int, fractions: tupl
         shared_flops=2.0 * tokens * shared_params,
         shared_bytes=shared_params * wb + 2.0 * tokens * d * a,
         act_bytes=tokens * d * a,
+        expert_read_bytes=p_e * wb, pair_flops=2.0 * p_e, row_bytes=d * a,
         gpu=rates["gpu"], cpu=rates["cpu"], d2h=rates["d2h"], h2d=rates["h2d"])
 
 

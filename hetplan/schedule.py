@@ -4,7 +4,8 @@ One rule set, used for every strategy: which tasks exist (stages on their device
 copies where consecutive stages change device, weight loads of streamed blocks, the prompt's KV
 copied down when the cache lives in DRAM; an MoE block resident on the GPU split into its hot
 and cold experts, ``hetplan.experts``, its cold experts loaded like a streamed block's weights
-in a phase whose exec says ``stream``), the order of tasks on each resource, and the
+in a phase whose exec says ``stream``; its tasks carry expected times and its merge the expected
+wait for the later side, so the block's span is its expected makespan), the order of tasks on each resource, and the
 dependency edges. Times are the earliest start of each task given both (a longest path).
 The ILP encodes the same rules as constraints in its own code; the simulator replays the result
 independently.
@@ -61,7 +62,7 @@ def _split_tasks(x, n: int, block: str, slot: int | None = None) -> tuple[list, 
     up = Task(id=f"act_up/moe_merge/{block}", resource="h2d_act", block=block, kind="act_up",
               duration_s=x.up_s(n), bytes=x.up_bytes(n))
     merge = Task(id=f"moe_merge/{block}", resource="gpu", block=block, kind="moe_merge",
-                 duration_s=x.merge_s(n), bytes=x.merge_bytes(n))
+                 duration_s=x.merge_s(n) + x.wait_s(n), bytes=x.merge_bytes(n))
     edges = [(route.id, hot.id), (route.id, down.id), (down.id, cold.id), (cold.id, up.id),
              (up.id, merge.id), (hot.id, merge.id)]
     return [route, hot, down, cold, up, merge], edges

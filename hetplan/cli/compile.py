@@ -83,7 +83,7 @@ Examples:
                    "models also cpu-moe and best n-cpu-moe:N) on the same model, machine and workload: "
                    "TTFT, TPOT, memory, fits?, ratio.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object (path, predicted, memory, solver with solve_seconds, notes"
+              help="Print one JSON object (path, predicted, memory, solver with solve_seconds, compile_seconds and compile_cpu_seconds, notes"
                    "[, compare]) to stdout and nothing else there.")
 def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, weight_dtype, kv_dtype,
             gpu_mem, cpu_mem, time_limit_s, max_nodes, mip_gap, stream_cold_experts, routing, dump_lp, compare,
@@ -103,7 +103,7 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                          kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
                          max_nodes=max_nodes, mip_gap=mip_gap, stream_cold_experts=stream_cold_experts,
                          routing=routing, dump_lp=dump_lp)
-    plan, solve_s = compile_plan(req)
+    plan, took = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)
     write_atomic(output, plan.to_json())
@@ -114,7 +114,8 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
         rows = compare_dicts(compare_plans(plan, req))
     if as_json:
         doc = {"path": str(output), "predicted": plan.predicted, "memory": plan.memory,
-               "solver": dict(plan.solver, solve_seconds=solve_s), "notes": list(req.notes)}
+               "solver": dict(plan.solver, solve_seconds=took.solve_s, compile_seconds=took.wall_s,
+                                 compile_cpu_seconds=took.cpu_s), "notes": list(req.notes)}
         if rows is not None:
             doc["compare"] = rows
         click.echo(json.dumps(doc, sort_keys=True))
@@ -126,7 +127,7 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                        for t in tiers)
     click.echo(f"wrote {output}: TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])} "
                f"({p['decode_tokens_per_s']:.2f} tok/s), {memory}  [{s['strategy']}, {s['status']}{gap}, "
-               f"solved in {solve_s:.2f} s]")
+               f"compiled in {took.wall_s:.2f} s, {took.cpu_s:.2f} s CPU]")
     if rows is not None:
         from hetplan.plan.report import compare_table
         click.echo("")

@@ -1,89 +1,58 @@
 """Expert-level decisions of the placement MILP: how many routed experts of each MoE block live
 in HBM, and what the split costs in time and memory (``hetplan.experts`` states the formulas).
 
-Notation, per MoE block b (experts ranked hottest first and cut into classes of equal routing
-fraction; within a class experts are interchangeable):
-  m_bc     integer in [0, |c|]: hot experts of class c            n_b = sum_c m_bc
-  z_bc     binary: class c is all hot (a colder class may have hot experts only then):
-               m_bc >= |c| z_bc,   m_b(c+1) <= |c+1| z_bc          (z_bc = m_bc when |c| = 1)
-  q_b      binary: some expert of a GPU-resident block stays cold:
-               q_b <= r_b,   n_b + q_b <= E,   n_b >= E (r_b - q_b),   m_bc <= |c| r_b
-Every per-expert quantity (FLOPs, weight bytes read, pair rows) enters as sum_c v_c m_bc for the
-hot side and sum_c v_c (|c| r_b - m_bc) for the cold side, so both rooflines are maxima of linear
-functions and the block's end time is exact at every integral point:
-  H_bp >= MS (l_g r_b + F_sh r_b + sum_c F_c m_bc),  H_bp >= MS (l_g r_b + B_sh r_b + sum_c B_c m_bc)
-  K_bp >= MS (l_cold q_b + sum_c (dn_c + up_c + F'_c) cold_bc),  likewise with B'_c
-  E_b  >= S_b + base_bp + MS (t_route r_b + merge_bp) + H_bp   and   ... + K_bp
-where base_bp is the whole-block time in the other modes (t_cpu c_bp + t_gpu s_bp),
-l_cold = the CPU task's and both copies' latencies, and merge_bp = (l_g + 2 T D a / bw_g) q_b
-+ sum_c rows_c / bw_g cold_bc. The MILP minimises, so E_b, H_bp and K_bp sit on their maxima.
+The split's duration is an expectation over the routing distribution (``hetplan.expected_split``),
+a nonlinear function of the hot count, so the MILP indexes it as a table. Per MoE block b with
+E routed experts (hottest first) and its residence binary r_b:
+  y_bn     binary, n = 0 .. E: block b resident with exactly its n hottest experts in HBM
+               sum_n y_bn = r_b                                    (one hot count when resident)
+  v_bnp    binary, n in [E - fit, E - 1] (where ``_stream_can_pay``): in phase p its E - n cold
+           experts are streamed into the staging slot and run on the GPU,   v_bnp <= y_bn
+The block's end time in phase p, HBM bytes and streamed load are then linear:
+  E_b = S_b + base_bp + MS (sum_n t_split(n) (y_bn - v_bnp) + sum_n t_all v_bnp)
+  HBM_b = D_b r_b + W_e sum_n n y_bn,        load_bp = MS sum_n t_h2d((E - n) W_e) v_bnp
+where base_bp is the whole-block time in the other modes (t_cpu c_bp + t_gpu s_bp), t_split(n)
+the expected split time with n hot experts and t_all = t_route + E[GPU part with all E]. The
+table is exact at every integral point, and its LP relaxation is the convex hull of each
+block's (time, bytes) points.
 """
 
 from __future__ import annotations
 
 import pulp
 
-from hetplan.experts import INDEX_BYTES
 from hetplan.solvers.ilp.objective import MS
 
 
 class ExpertVars:
-    """The expert-count variables of every MoE block and their linking constraints."""
+    """The hot-count variables of every MoE block and their linking constraints."""
 
     def __init__(self, prob, problem, r, slot_bytes: float | None = None, depth: int = 1):
         """``slot_bytes``: the configuration's fixed staging slot; cold experts that fit in it
-        may be streamed (a phase's ``u``) where that can pay (``_stream_can_pay``), none when
+        may be streamed (a phase's ``v``) where that can pay (``_stream_can_pay``), none when
         None. ``depth``: the configuration's staging depth."""
         self.prob, self.problem, self.r, self.depth = prob, problem, r, depth
         self.layers = problem.experts.get("decode", {})
-        self.m, self.classes, self.cold = {}, {}, {}
-        self.u, self.w = {}, {}
+        self.y, self.v = {}, {}
         for b, x in self.layers.items():
-            classes = x.classes()
-            self.classes[b] = classes
-            for i, (_, size) in enumerate(classes):
-                v = pulp.LpVariable(f"m_{b}_{i}", lowBound=0, upBound=size,
-                                    cat="Binary" if size == 1 else "Integer")
-                self.m[b, i] = v
-                prob += v <= size * r[b], f"hot_needs_resident_{b}_{i}"
-            for i in range(len(classes) - 1):
-                size, nxt = classes[i][1], classes[i + 1][1]
-                if size == 1:
-                    full = self.m[b, i]
-                else:
-                    full = pulp.LpVariable(f"zfull_{b}_{i}", cat="Binary")
-                    prob += self.m[b, i] >= size * full, f"class_full_{b}_{i}"
-                prob += self.m[b, i + 1] <= nxt * full, f"hottest_first_{b}_{i}"
-            q = pulp.LpVariable(f"q_cold_{b}", cat="Binary")
-            self.cold[b] = q
             e = x.n_experts
-            n = self.n(b)
-            prob += q <= r[b], f"cold_needs_resident_{b}"
-            prob += n + q <= e, f"cold_means_fewer_{b}"
-            prob += n >= e * (r[b] - q), f"no_cold_means_all_{b}"
+            for n in range(e + 1):
+                self.y[b, n] = pulp.LpVariable(f"y_hot_{b}_{n}", cat="Binary")
+            prob += pulp.lpSum(self.y[b, n] for n in range(e + 1)) == r[b], f"one_hot_count_{b}"
             fit = int((slot_bytes or 0.0) // x.expert_bytes)
             if fit and slot_bytes:
-                self._streamed_cold(b, x, n, q, min(fit, e))
+                self._streamed_cold(b, x, min(fit, e))
 
-    def _streamed_cold(self, b, x, n, q, fit: int):
-        """u_bp: block b's cold experts streamed into the slot in phase p (all of them, at most
-        ``fit``), then computed on the GPU; w_bcp = u_bp * cold_bc (exact for binary u):
-            u_bp <= q_b,   n_b >= (E - fit) u_bp,
-            w_bcp <= |c| u_bp,   w_bcp <= cold_bc,   w_bcp >= cold_bc - |c| (1 - u_bp)."""
-        prob = self.prob
+    def _streamed_cold(self, b, x, fit: int):
+        """v_bnp: block b's E - n cold experts (all of them, at most ``fit``) streamed into the
+        slot in phase p, then computed on the GPU:   v_bnp <= y_bn."""
         for p in ("prefill", "decode"):
             if not self._stream_can_pay(p, b, fit):
                 continue
-            u = pulp.LpVariable(f"u_cold_{b}_{p}", cat="Binary")
-            self.u[b, p] = u
-            prob += u <= q, f"stream_needs_cold_{b}_{p}"
-            prob += n >= (x.n_experts - fit) * u, f"cold_fits_slot_{b}_{p}"
-            for i, (_, size) in enumerate(self.classes[b]):
-                w = pulp.LpVariable(f"w_cold_{b}_{i}_{p}", lowBound=0)
-                self.w[b, i, p] = w
-                prob += w <= size * u, f"w_needs_u_{b}_{i}_{p}"
-                prob += w <= self._cold(b, i), f"w_at_most_cold_{b}_{i}_{p}"
-                prob += w >= self._cold(b, i) - size * (1 - u), f"w_all_cold_{b}_{i}_{p}"
+            for n in range(max(0, x.n_experts - fit), x.n_experts):
+                v = pulp.LpVariable(f"v_cold_{b}_{n}_{p}", cat="Binary")
+                self.v[b, n, p] = v
+                self.prob += v <= self.y[b, n], f"stream_needs_count_{b}_{n}_{p}"
 
     def _stream_can_pay(self, p, b, fit: int) -> bool:
         """False when streaming block b's cold experts in phase p is dominated for every count
@@ -106,61 +75,38 @@ class ExpertVars:
         return any(x.h2d.seconds(0.0, (e - n) * x.expert_bytes) + streamed < hide + split[n]
                    for n in range(max(0, e - fit), e))
 
+    def _streams(self, b, p) -> list:
+        """[(n, v_bnp)] of block b in phase p (none for a block that is not MoE)."""
+        if b not in self.layers:
+            return []
+        return [(n, self.v[b, n, p]) for n in range(self.layers[b].n_experts) if (b, n, p) in self.v]
+
     def streamed(self, b, p) -> bool:
-        return (b, p) in self.u
+        return bool(self._streams(b, p))
 
     def load_ms(self, p, b):
-        """h2d time (ms) of block b's streamed cold experts in phase p: l_link u + W_e / bw * sum_c w."""
+        """h2d time (ms) of block b's streamed cold experts in phase p: sum_n t_h2d((E - n) W_e) v_bnp."""
         x = self.problem.experts[p][b]
-        return MS * (x.h2d.latency_s * self.u[b, p] + (x.expert_bytes / x.h2d.bytes_per_s) * pulp.lpSum(
-            self.w[b, i, p] for i in range(len(self.classes[b]))))
+        return MS * pulp.lpSum(x.h2d.seconds(0.0, (x.n_experts - n) * x.expert_bytes) * v
+                               for n, v in self._streams(b, p))
 
     def n(self, b):
-        return pulp.lpSum(self.m[b, i] for i in range(len(self.classes[b])))
+        return pulp.lpSum(n * self.y[b, n] for n in range(self.layers[b].n_experts + 1))
 
     def resident_units(self, b, unit: float):
         """HBM bytes (in ``unit``) of MoE block b's weights: dense part if resident + hot experts."""
         x = self.layers[b]
         return (x.dense_bytes / unit) * self.r[b] + (x.expert_bytes / unit) * self.n(b)
 
-    def _cold(self, b, i):
-        return self.classes[b][i][1] * self.r[b] - self.m[b, i]
-
     def end(self, p, b, start, base):
-        """E_b of MoE block b in phase p (a variable), given its start and its time ``base`` in
-        the whole-block modes (an affine expression in ms)."""
-        x, r, q, prob = self.problem.experts[p][b], self.r[b], self.cold[b], self.prob
-        cls = self.classes[b]
-        per = lambda vals, i: vals[cls[i][0]]  # noqa: E731 - a class's per-expert value
-        g, c = x.gpu, x.cpu
-        # experts on the GPU in this phase: hot, plus cold ones streamed; cold ones on the CPU
-        streamed = {i: self.w[b, i, p] if (b, p) in self.u else 0 for i in range(len(cls))}
-        on_gpu = {i: self.m[b, i] + streamed[i] for i in range(len(cls))}
-        on_cpu = {i: self._cold(b, i) - streamed[i] for i in range(len(cls))}
-        cpu_side = q - self.u[b, p] if (b, p) in self.u else q
-        hot = pulp.LpVariable(f"Hot_{p}_{b}", lowBound=0)
-        prob += hot >= MS * (g.latency_s * r + (x.shared_flops / g.flops_per_s) * r + pulp.lpSum(
-            (per(x.flops, i) / g.flops_per_s) * on_gpu[i] for i in range(len(cls)))), f"hot_flops_{p}_{b}"
-        prob += hot >= MS * (g.latency_s * r + (x.shared_bytes / g.bytes_per_s) * r + pulp.lpSum(
-            ((per(x.wbytes, i) + 2 * per(x.rows, i)) / g.bytes_per_s) * on_gpu[i]
-            for i in range(len(cls)))), f"hot_bytes_{p}_{b}"
-        copies = lambda i: (per(x.rows, i) + INDEX_BYTES * x.tokens * per(x.fraction, i)) / x.d2h.bytes_per_s \
-            + per(x.rows, i) / x.h2d.bytes_per_s  # noqa: E731
-        lat = c.latency_s + x.d2h.latency_s + x.h2d.latency_s
-        coldt = pulp.LpVariable(f"Cold_{p}_{b}", lowBound=0)
-        prob += coldt >= MS * (lat * cpu_side + pulp.lpSum(
-            (copies(i) + per(x.flops, i) / c.flops_per_s) * on_cpu[i] for i in range(len(cls)))), \
-            f"cold_flops_{p}_{b}"
-        prob += coldt >= MS * (lat * cpu_side + pulp.lpSum(
-            (copies(i) + (per(x.wbytes, i) + 2 * per(x.rows, i)) / c.bytes_per_s) * on_cpu[i]
-            for i in range(len(cls)))), f"cold_bytes_{p}_{b}"
-        merge = (g.latency_s + 2 * x.act_bytes / g.bytes_per_s) * cpu_side + pulp.lpSum(
-            (per(x.rows, i) / g.bytes_per_s) * on_cpu[i] for i in range(len(cls)))
-        end = pulp.LpVariable(f"E_{p}_{b}", lowBound=0)
-        fixed = start + base + MS * (x.route_s() * r + merge)
-        prob += end >= fixed + hot, f"end_gpu_side_{p}_{b}"
-        prob += end >= fixed + coldt, f"end_cpu_side_{p}_{b}"
-        return end
+        """E_b of MoE block b in phase p (an affine expression), given its start and its time
+        ``base`` in the whole-block modes (an affine expression in ms)."""
+        x = self.problem.experts[p][b]
+        split = x.split_times
+        streams = self._streams(b, p)
+        every = split[x.n_experts]  # all experts on the GPU: the streamed phase's time
+        return start + base + MS * (pulp.lpSum(split[n] * self.y[b, n] for n in range(x.n_experts + 1))
+                                    + pulp.lpSum((every - split[n]) * v for n, v in streams))
 
     def min_split_s(self, p, b) -> float:
         """Least duration of block b resident on the GPU over every expert count."""
@@ -170,8 +116,7 @@ class ExpertVars:
         return max(self.problem.experts[p][b].split_times)
 
     def streams_cold(self, b, p) -> bool:
-        return (b, p) in self.u and (self.u[b, p].value() or 0.0) > 0.5
+        return any((v.value() or 0.0) > 0.5 for _, v in self._streams(b, p))
 
     def hot_count(self, b) -> int:
-        return int(round(sum((self.m[b, i].value() or 0.0) for i in range(len(self.classes[b])))))
-
+        return next((n for n in range(self.layers[b].n_experts + 1) if (self.y[b, n].value() or 0.0) > 0.5), 0)

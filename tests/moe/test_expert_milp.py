@@ -138,7 +138,10 @@ def test_the_hottest_experts_are_the_ones_on_the_gpu(share):
 def test_split_block_times_are_the_stated_formulas():
     """Hand-derived: decode, batch 1, fp16, 2 hot experts of the skewed profile (0 and 2) on
     tiny_node (GPU 500 GB/s, 50 TFLOPS fp16; CPU 50 GB/s, 1 TFLOPS; links 16 GB/s), every
-    efficiency and latency as the node states them."""
+    efficiency and latency as the node states them. Each task carries its expected time; the
+    merge also waits for the later side: E[max(GPU side, CPU side)] - max of their expectations,
+    enumerated here over the 2^6 sets of experts one token can hit (each independently with
+    probability = its fraction)."""
     hw = tiny_node(64, 64)
     problem = build_problem(SPEC, hw, WORKLOADS["chat"], routing=ROUTING["skewed"])
     dec = Decision(weights={b.name: "gpu" for b in problem.blocks},
@@ -160,8 +163,19 @@ def test_split_block_times_are_the_stated_formulas():
         sum(cold) * (row + 8) / link + lat["link_task"], rel=1e-9)
     assert tasks["act_up/moe_merge/moe_0"].duration_s == pytest.approx(sum(cold) * row / link + lat["link_task"],
                                                                        rel=1e-9)
+    gpu_side = lambda hits: (sum(hits) * (expert + 2 * row) + 2 * row) / gpu_bw + lat["gpu_task"]  # noqa: E731
+    cpu_side = lambda hits: (sum(hits) * (expert + 2 * row) / cpu_bw + lat["cpu_task"]  # noqa: E731
+                             + sum(hits) * (2 * row + 8) / link + 2 * lat["link_task"])
+    both = mean_hot = mean_cold = 0.0
+    for hits in itertools.product((0, 1), repeat=E):
+        prob = math.prod(f if h else 1 - f for f, h in zip(hot + cold, hits))
+        both += prob * max(gpu_side(hits[:2]), cpu_side(hits[2:]))
+        mean_hot += prob * gpu_side(hits[:2])
+        mean_cold += prob * cpu_side(hits[2:])
+    wait = both - max(mean_hot, mean_cold)
+    assert wait > 0
     assert tasks["moe_merge/moe_0"].duration_s == pytest.approx(
-        (2 * row + sum(cold) * row) / gpu_bw + lat["gpu_task"], rel=1e-9)
+        (2 * row + sum(cold) * row) / gpu_bw + lat["gpu_task"] + wait, rel=1e-9)
     assert tasks["moe_route/moe_0"].duration_s == pytest.approx(
         ((1024 * E + 1024) * 2 + 2 * row) / gpu_bw + lat["gpu_task"], rel=1e-9)
 
