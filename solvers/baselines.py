@@ -20,6 +20,9 @@ FOLLOWS = {"all-gpu": "-", "greedy": ACCELERATE, "ngl": LLAMA_CPP, "ngl-nkvo": L
            "stream": "FlexGen-style policy (not a particular release)",
            "cpu-moe": LLAMA_CPP, "n-cpu-moe": LLAMA_CPP}
 """strategy -> the tool and version its baseline follows."""
+FAITHFUL = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "cpu-moe", "n-cpu-moe")
+"""Baselines that reproduce a tool's placement and execution (``stream`` is a policy, not a
+particular release of FlexGen, whose own policy search picks other fractions)."""
 
 OP_OFFLOAD_MIN_TOKENS = 32
 """llama.cpp's CUDA backend computes an op whose weights are in host memory on the GPU (copying

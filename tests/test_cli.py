@@ -73,7 +73,7 @@ def test_json_flag_prints_one_object_and_nothing_else_on_stdout(tmp_path):
 
 def test_weight_dtype_auto_explains_its_choice_on_stderr_only(tmp_path):
     # llama-3.1-70b in bf16 is ~131 GiB; GPU 23 GiB + DRAM 60 GiB hold q8_0 (~70 GiB) but not bf16
-    proc = hetplan("compile", "llama-3.1-70b", "--hw", "rtx4090-64g", "--strategy", "greedy", "--json",
+    proc = hetplan("compile", "llama-3.1-70b", "--hw", "rtx4090-64g", "--strategy", "ngl", "--json",
                    "-o", tmp_path / "p.json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
