@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hetplan.plan.check import plan_paths, request_of
 from hetplan.plan.compare import compare, follows, ratio_to_chosen
-from hetplan.solvers.baselines import FAITHFUL
+from hetplan.solvers.baselines import FAITHFUL, FOLLOWS
 from hetplan.compiler import compile_plan
 from hetplan.plan import load_plan
 from hetplan.plan.report import format_table
@@ -39,7 +39,7 @@ def scenario_rows(path: Path, recompile: bool) -> tuple:
     for c in rows:
         p, r = c.plan.predicted, ratio_to_chosen(rows, c)
         detail.append([name, c.strategy, format_seconds(p["ttft_s"]), format_seconds(p["tpot_s"]),
-                       "no fit" if r is None else f"{r:.2f}x", "-" if c.chosen else follows(c.strategy)])
+                       "no fit" if r is None else f"{r:.2f}x", "-" if c.chosen else follows(c.strategy).split(" ")[0]])
     fitting = [c for c in rows[1:] if c.fits and c.strategy.partition(":")[0] in FAITHFUL]
     best = min(fitting, key=lambda c: ratio_to_chosen(rows, c)) if fitting else None
     p = plan.predicted
@@ -65,6 +65,9 @@ def main() -> None:
     print()
     print(format_table(["scenario", "strategy", "TTFT", "TPOT", "x ilp (objective)", "follows"], details,
                        right={2, 3, 4}))
+    print()
+    for tool in sorted({v for v in FOLLOWS.values() if v != "-"}):
+        print(f"follows: {tool}")
 
 
 if __name__ == "__main__":
