@@ -208,3 +208,11 @@ def test_nkvo_is_a_strategy_of_its_own(strategy, tmp_path):
                                           prompt_len=64, gen_len=8))
     assert plan.solver["strategy"] == strategy
     assert {b["kv"] for b in plan.placement if b["kind"] == "attn"} == {"cpu"}
+
+
+def test_accelerate_places_a_tied_head_with_the_embedding():
+    # tied parameters go together: the head (512 512 B) rides with the embedding, first in order
+    dec = baselines.greedy(problem(gpu_bytes=EMBED + HEAD + 3 * LAYER + 1000, tie_embeddings=True))
+    assert sorted(b for b, w in dec.weights.items() if w == "gpu") == ["attn_0", "attn_1", "embed", "head",
+                                                                       "mlp_0", "mlp_1"]
+    assert placed(dec, "attn_2", "mlp_3") == [("stream", "stream", "stream")] * 2
