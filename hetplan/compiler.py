@@ -24,9 +24,9 @@ from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
 from hetplan.workload import Workload
 
-STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "stream", "cpu-moe", "n-cpu-moe")
-COUNTED = ("ngl", "n-cpu-moe")
-"""Strategies that take a layer count (``ngl:N``, ``n-cpu-moe:N``)."""
+STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe")
+COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
+"""Strategies that take a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``)."""
 AUTO_DTYPES = ("q8_0", "q4_k_m")
 """Tried in order when ``--weight-dtype auto`` finds the native dtype does not fit."""
 
@@ -75,9 +75,9 @@ def parse_strategy(text: str) -> tuple[str, int | None]:
     name, _, arg = text.partition(":")
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
-                           f"ilp, all-gpu, greedy, ngl[:N], stream, cpu-moe, n-cpu-moe[:N]")
+                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N]")
     if arg and name not in COUNTED:
-        raise HetplanError(f"--strategy {text}: only ngl and n-cpu-moe take an argument (ngl:N, n-cpu-moe:N)")
+        raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo and n-cpu-moe take an argument (ngl:N, ngl-nkvo:N, n-cpu-moe:N)")
     if arg:
         if not arg.isdigit():
             raise HetplanError(f"--strategy {text}: N must be a non-negative integer")

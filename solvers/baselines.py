@@ -1,7 +1,10 @@
 """Baseline placements: what a user gets from today's tools, under hetplan's cost model.
 
-Each is a few lines from a Problem to a Decision. They double as test oracles: the ILP must
-never be worse than any of them. On a node without a GPU every baseline is the all-CPU plan.
+Each maps a Problem to a Decision the way the tool it names places a model, as far as the
+plan's task model can say it; each docstring names the version of the tool it follows and what
+it leaves out (``FOLLOWS`` holds the versions, printed by ``--compare``). They double as test
+oracles: the ILP must never be worse than any of them. On a node without a GPU every baseline
+is the all-CPU plan.
 """
 
 from __future__ import annotations
@@ -10,6 +13,24 @@ from hetplan.errors import HetplanError
 from hetplan.graph import PHASES
 from hetplan.plan import Decision
 from hetplan.problem import Problem
+
+LLAMA_CPP = "llama.cpp master of late 2026 (common/fit.cpp at 08033df, src/llama.cpp at 01649e6)"
+ACCELERATE = "Accelerate 1.x infer_auto_device_map (utils/modeling.py at 00cfd46)"
+FOLLOWS = {"all-gpu": "-", "greedy": ACCELERATE, "ngl": LLAMA_CPP, "ngl-nkvo": LLAMA_CPP,
+           "stream": "FlexGen-style policy (not a particular release)",
+           "cpu-moe": LLAMA_CPP, "n-cpu-moe": LLAMA_CPP}
+"""strategy -> the tool and version its baseline follows."""
+FAITHFUL = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "cpu-moe", "n-cpu-moe")
+"""Baselines that reproduce a tool's placement and execution (``stream`` is a policy, not a
+particular release of FlexGen, whose own policy search picks other fractions)."""
+
+OP_OFFLOAD_MIN_TOKENS = 32
+"""llama.cpp's CUDA backend computes an op whose weights are in host memory on the GPU (copying
+them up) when the op's batch, the tokens of the micro-batch, is at least this many
+(``ggml_backend_cuda_device_offload_op``; ``GGML_OP_OFFLOAD_MIN_BATCH`` overrides it). Token
+embedding lookups (``GET_ROWS``) count a batch of 0 and are never moved."""
+FIT_MARGIN_BYTES = float(1 << 30)
+"""Free device memory ``--fit`` leaves (``--fit-target``, default 1024 MiB)."""
 
 
 def _decision(problem: Problem, weights: dict, kv: dict, depth: int) -> Decision:
@@ -30,52 +51,188 @@ def all_gpu(problem: Problem) -> Decision:
                      {b.name: "gpu" for b in problem.blocks if b.kind == "attn"}, depth=1)
 
 
+# -- Accelerate ---------------------------------------------------------------------------------
+
+def _accelerate_units(problem: Problem) -> list:
+    """Accelerate's unsplittable modules in module order, as lists of blocks: the embedding
+    (with the head when the embeddings are tied: tied parameters go together), one decoder
+    layer (attention + MLP, a ``no_split_module``) per layer, the head."""
+    by_layer: dict = {}
+    for b in problem.blocks:
+        if b.layer is not None:
+            by_layer.setdefault(b.layer, []).append(b)
+    embed = next(b for b in problem.blocks if b.kind == "embed")
+    head = next(b for b in problem.blocks if b.kind == "head")
+    tied = problem.model.tie_embeddings
+    return [[embed, head] if tied else [embed]] + [by_layer[l] for l in sorted(by_layer)] + ([] if tied else [[head]])
+
+
 def greedy(problem: Problem) -> Decision:
-    """Accelerate ``device_map="auto"``: fill the GPU in module order by memory after reserving the
-    KV cache, workspace and one offload buffer for the largest block; the rest stays in DRAM and
-    is copied to the GPU synchronously right before use (depth 1). KV caches live on the GPU,
-    where every layer executes."""
+    """Accelerate ``device_map="auto"`` (``infer_auto_device_map``, Accelerate 1.x), then its
+    offload hooks.
+
+    Placement: modules in order onto the GPU while ``used + size <= max_memory - reserve``,
+    where ``max_memory`` is the GPU budget and ``reserve`` the largest module not yet placed
+    (Accelerate keeps room to bring the largest offloaded layer back; it computes the maximum
+    once and recomputes it over the remaining modules only when every module of that size has
+    been placed). The first module that does not fit sends it and all later ones to the CPU;
+    nothing goes back. Sizes are weights only: Accelerate counts no KV cache and no activation
+    workspace, so a placement can overrun the GPU (the plan's memory check then says by how
+    much, as the real run would fail).
+
+    Execution: every offloaded module is copied to the GPU synchronously by its pre-forward hook
+    right before use, in both phases, no prefetch (exec ``stream`` at depth 1). KV caches live
+    on the GPU, where every layer executes.
+
+    Leaves out: modules are hetplan's blocks (a layer's norms are in its blocks, the final norm
+    in the head); an offloaded embedding is gathered on the CPU (hetplan never streams the
+    table); offloaded weights are priced as pinned copies (Accelerate's are pageable, slower)."""
     if not problem.has_gpu:
         return all_cpu(problem)
-    blocks = problem.blocks
-    kv = sum(b.kv_bytes for b in blocks)
-    free = problem.gpu_budget_bytes - kv - problem.gpu_workspace_bytes - max(
-        b.weight_bytes for b in blocks if b.streamable)
-    weights, full = {}, False
-    for b in blocks:
-        if not full and b.weight_bytes <= free:
+    units = _accelerate_units(problem)
+    sizes = [sum(b.weight_bytes for b in u) for u in units]
+    reserve, largest = _largest(sizes, range(len(units)))
+    weights, used, offloading = {}, 0.0, False
+    for i, unit in enumerate(units):
+        largest.discard(i)
+        if not largest:
+            reserve, largest = _largest(sizes, range(i + 1, len(units)))
+        offloading = offloading or used + sizes[i] > problem.gpu_budget_bytes - reserve
+        used += 0.0 if offloading else sizes[i]
+        for b in unit:
+            weights[b.name] = "gpu" if not offloading else ("stream" if b.streamable else "cpu")
+    return _decision(problem, weights, {b.name: "gpu" for b in problem.blocks if b.kind == "attn"}, depth=1)
+
+
+def _largest(sizes: list, indices) -> tuple:
+    """(largest size among ``indices``, the set of indices of that size); (0, empty) if none."""
+    indices = list(indices)
+    if not indices:
+        return 0.0, set()
+    top = max(sizes[i] for i in indices)
+    return top, {i for i in indices if sizes[i] == top}
+
+
+# -- llama.cpp ----------------------------------------------------------------------------------
+
+def op_offload(problem: Problem) -> bool:
+    """Whether llama.cpp computes host-resident weights on the GPU in prefill: the prompt's
+    micro-batch (``min(batch * prompt_len, n_ubatch = 512)`` tokens) has at least
+    ``OP_OFFLOAD_MIN_TOKENS`` tokens."""
+    wl = problem.workload
+    return problem.has_gpu and wl.batch * wl.prompt_len >= OP_OFFLOAD_MIN_TOKENS
+
+
+def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = None) -> Decision:
+    """llama.cpp's execution of a placement: blocks in ``on_gpu`` resident in HBM, the others in
+    DRAM. Decode computes each block where its weights are. Prefill with op offload computes a
+    host-resident block on the GPU with its weights copied up (weights ``stream``, prefill exec
+    ``stream``), and an MoE block's host-resident experts likewise (their expert tensors are
+    copied up); the embedding lookup stays on the CPU. The scheduler copies a split's inputs
+    right before computing it (``ggml_backend_sched_compute_splits``); a host-to-CUDA weight copy
+    has no async path, so it waits for the GPU to finish and copies synchronously: nothing is
+    prefetched, staging depth 1, a copy never overlaps the compute before it.
+
+    Leaves out: llama.cpp copies only the experts the micro-batch routes to (with uniform
+    routing ``n (1 - (1 - k/n)^T)`` of ``n`` for ``T`` tokens choosing ``k``: all of them, to
+    0.1%, for every preset at 512 tokens; fewer for short prompts), here all of them."""
+    offload = op_offload(problem)
+    experts = experts or {}
+    weights, exec_ = {}, {ph: {} for ph in PHASES}
+    for b in problem.blocks:
+        if b.name in on_gpu:
             weights[b.name] = "gpu"
-            free -= b.weight_bytes
+            cold = b.name in experts and experts[b.name] < problem.model.n_experts
+            exec_["prefill"][b.name] = "stream" if cold and offload else "gpu"
+            exec_["decode"][b.name] = "gpu"
         else:
-            full = True
-            weights[b.name] = "stream" if b.streamable else "cpu"
-    return _decision(problem, weights, {b.name: "gpu" for b in blocks if b.kind == "attn"}, depth=1)
+            copied = offload and b.streamable
+            weights[b.name] = "stream" if copied else "cpu"
+            exec_["prefill"][b.name] = "stream" if copied else "cpu"
+            exec_["decode"][b.name] = "cpu"
+    return Decision(weights=weights, exec=exec_, kv=kv, depth=1, experts=experts)
 
 
-def ngl(problem: Problem, n: int | None = None) -> Decision:
-    """llama.cpp ``-ngl N``: the last N layers (attention, MLP and KV cache) on the GPU, the rest
-    computed on the CPU; token embeddings on the CPU; the output layer on the GPU when
-    N > n_layers. ``n=None`` picks the largest N that fits."""
+def ngl(problem: Problem, n: int | None = None, nkvo: bool = False) -> Decision:
+    """llama.cpp ``-ngl N`` (``llama_model::load_tensors``): of the ``n_layers + 1`` layer slots
+    (the repeating layers, then the output layer: final norm and lm_head) the last N are on the
+    GPU, i.e. layer ``il`` is on the GPU when ``il >= n_layers + 1 - N``: ``-ngl 1`` is the
+    output layer alone, ``-ngl n_layers + 1`` everything. The token embeddings always stay in
+    host memory. Each layer's KV cache lives with the layer; ``nkvo`` (``-nkvo``) keeps every
+    KV cache in DRAM, so decode attention runs on the CPU. Executed as ``_llama_cpp`` says (op
+    offload of the CPU layers in prefill of 32+ tokens).
+
+    ``n=None`` is ``--fit`` (``common_fit_params`` for one GPU, dense layers): all slots when
+    everything fits with ``FIT_MARGIN_BYTES`` of the budget left free, else the most slots that
+    leave that margin (0 when none does). Memory counts weights, KV caches, staging and
+    workspace on the GPU, as ``--fit`` measures model, context and compute buffers.
+
+    Leaves out: ``--fit``'s context shrinking (the workload fixes the context) and its partial
+    last layer (some of one layer's FFN tensors kept in DRAM); on MoE models ``--fit`` moves
+    expert tensors instead (see ``n_cpu_moe``); with ``nkvo``, prefill attention of a GPU layer
+    runs on the GPU with its K/V copied down (llama.cpp runs it on the CPU); a prompt longer
+    than one 512-token micro-batch copies offloaded weights once per micro-batch in llama.cpp,
+    once here."""
     spec = problem.model
     if not problem.has_gpu:
         return all_cpu(problem)
     if n is None:
+        target = problem.gpu_budget_bytes - FIT_MARGIN_BYTES
         for k in range(spec.n_layers + 1, -1, -1):
-            dec = ngl(problem, k)
-            if _gpu_bytes(problem, dec) <= problem.gpu_budget_bytes:
+            dec = ngl(problem, k, nkvo)
+            if _gpu_bytes(problem, dec) <= target:
                 return dec
-        return ngl(problem, 0)
+        return ngl(problem, 0, nkvo)
     if n < 0:
         raise HetplanError(f"--strategy ngl:{n}: N must be >= 0")
-    first_gpu = spec.n_layers - min(n, spec.n_layers)
-    weights, kv = {}, {}
-    for b in problem.blocks:
-        on_gpu = (b.layer is not None and b.layer >= first_gpu) or (b.kind == "head" and n > spec.n_layers)
-        weights[b.name] = "gpu" if on_gpu else "cpu"
-        if b.kind == "attn":
-            kv[b.name] = "gpu" if on_gpu else "cpu"
-    return _decision(problem, weights, kv, depth=1)
+    first_gpu = spec.n_layers + 1 - min(n, spec.n_layers + 1)
+    on_gpu = {b.name for b in problem.blocks
+              if (b.layer is not None and b.layer >= first_gpu) or (b.kind == "head" and n >= 1)}
+    kv = {b.name: "gpu" if b.name in on_gpu and not nkvo else "cpu" for b in problem.blocks if b.kind == "attn"}
+    return _llama_cpp(problem, on_gpu, kv)
 
+
+def ngl_nkvo(problem: Problem, n: int | None = None) -> Decision:
+    """llama.cpp ``-ngl N -nkvo``: ``ngl`` with every KV cache (and decode attention) on the CPU."""
+    return ngl(problem, n, nkvo=True)
+
+
+def cpu_moe(problem: Problem) -> Decision:
+    """llama.cpp ``--cpu-moe`` (kTransformers places the same way): ``n_cpu_moe`` with N = every
+    layer: every routed expert in DRAM, everything else but the token embeddings on the GPU."""
+    return n_cpu_moe(problem, problem.model.n_layers)
+
+
+def n_cpu_moe(problem: Problem, n: int | None = None) -> Decision:
+    """llama.cpp ``--n-cpu-moe N`` with all layers offloaded (``-ngl`` at its default, every
+    layer): the routed-expert tensors (``blk.<il>.ffn_*_exps``) of layers ``il < N`` in DRAM,
+    every other weight (attention, KV caches, routers, shared experts, dense layers, the output
+    layer) on the GPU, the token embeddings in DRAM. Executed as ``_llama_cpp`` says: decode
+    computes host-resident experts on the CPU beside the GPU; prefill of 32+ tokens copies
+    them up and computes them on the GPU. ``n=None`` picks the smallest N that fits the GPU
+    budget (what one tunes by hand; ``--fit`` is off when tensor overrides are given).
+
+    Leaves out: ``--fit``'s own rule for MoE models (experts of the last layers in DRAM, a
+    partial layer at the boundary)."""
+    _need_experts(problem, "n-cpu-moe")
+    if not problem.has_gpu:
+        return all_cpu(problem)
+    spec = problem.model
+    if n is None:
+        for k in range(spec.n_layers + 1):
+            dec = n_cpu_moe(problem, k)
+            if _gpu_bytes(problem, dec) <= problem.gpu_budget_bytes:
+                return dec
+        return n_cpu_moe(problem, spec.n_layers)
+    if n < 0:
+        raise HetplanError(f"--strategy n-cpu-moe:{n}: N must be >= 0")
+    on_gpu = {b.name for b in problem.blocks if b.kind != "embed"}
+    experts = {b.name: 0 if b.layer < n else spec.n_experts for b in problem.blocks if b.kind == "moe"}
+    kv = {b.name: "gpu" for b in problem.blocks if b.kind == "attn"}
+    return _llama_cpp(problem, on_gpu, kv, experts)
+
+
+# -- FlexGen ------------------------------------------------------------------------------------
 
 def stream(problem: Problem) -> Decision:
     """FlexGen/ZeRO-Inference: every weight in pinned DRAM, prefetched one block ahead into two
@@ -93,37 +250,10 @@ def stream(problem: Problem) -> Decision:
     return _decision(problem, weights, {b.name: kv_on for b in blocks if b.kind == "attn"}, depth=2)
 
 
-def cpu_moe(problem: Problem) -> Decision:
-    """llama.cpp ``--cpu-moe`` / kTransformers: every routed expert in DRAM and computed on the
-    CPU; everything else (attention, KV caches, routers, shared experts, dense layers, the
-    embedding and the head) resident on the GPU."""
-    return n_cpu_moe(problem, problem.model.n_layers)
-
-
-def n_cpu_moe(problem: Problem, n: int | None = None) -> Decision:
-    """llama.cpp ``--n-cpu-moe N``: the routed experts of the first N layers on the CPU, every
-    other weight resident on the GPU. ``n=None`` picks the smallest N that fits."""
-    _need_experts(problem, "n-cpu-moe")
-    if not problem.has_gpu:
-        return all_cpu(problem)
-    spec = problem.model
-    if n is None:
-        for k in range(spec.n_layers + 1):
-            dec = n_cpu_moe(problem, k)
-            if _gpu_bytes(problem, dec) <= problem.gpu_budget_bytes:
-                return dec
-        return n_cpu_moe(problem, spec.n_layers)
-    if n < 0:
-        raise HetplanError(f"--strategy n-cpu-moe:{n}: N must be >= 0")
-    dec = all_gpu(problem)
-    experts = {b.name: 0 if b.layer < n else spec.n_experts for b in problem.blocks if b.kind == "moe"}
-    return Decision(dec.weights, dec.exec, dec.kv, depth=dec.depth, experts=experts)
-
-
 def _need_experts(problem: Problem, name: str) -> None:
     if not problem.model.is_moe:
         raise HetplanError(f"--strategy {name}: model {problem.model.name!r} has no experts; "
-                           f"use ngl, greedy, stream or all-gpu")
+                           f"use ngl, ngl-nkvo, greedy, stream or all-gpu")
 
 
 def _gpu_bytes(problem: Problem, dec: Decision) -> float:
@@ -131,7 +261,7 @@ def _gpu_bytes(problem: Problem, dec: Decision) -> float:
     return memory_report(problem, dec)[0]["gpu_bytes"]
 
 
-BASELINES = {"all-gpu": all_gpu, "greedy": greedy, "ngl": ngl, "stream": stream}
+BASELINES = {"all-gpu": all_gpu, "greedy": greedy, "ngl": ngl, "ngl-nkvo": ngl_nkvo, "stream": stream}
 """Baselines for every model."""
 MOE_BASELINES = {"cpu-moe": cpu_moe, "n-cpu-moe": n_cpu_moe}
 """Baselines for mixture-of-experts models only."""

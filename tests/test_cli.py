@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SMALL = ["llama-3.1-8b", "--hw", "rtx4090-64g"]
-BASELINE_NAMES = ("all-gpu", "greedy", "ngl:", "stream")
+BASELINE_NAMES = ("all-gpu", "greedy", "ngl:", "ngl-nkvo:", "stream")
 
 
 def hetplan(*args, cwd=None):
@@ -73,7 +73,7 @@ def test_json_flag_prints_one_object_and_nothing_else_on_stdout(tmp_path):
 
 def test_weight_dtype_auto_explains_its_choice_on_stderr_only(tmp_path):
     # llama-3.1-70b in bf16 is ~131 GiB; GPU 23 GiB + DRAM 60 GiB hold q8_0 (~70 GiB) but not bf16
-    proc = hetplan("compile", "llama-3.1-70b", "--hw", "rtx4090-64g", "--strategy", "greedy", "--json",
+    proc = hetplan("compile", "llama-3.1-70b", "--hw", "rtx4090-64g", "--strategy", "ngl", "--json",
                    "-o", tmp_path / "p.json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -98,7 +98,7 @@ def test_compare_json_says_which_baseline_does_not_fit_and_by_how_much(tmp_path)
                    "--prompt-len", "128", "--gen-len", "16", "--compare", "--json", "-o", tmp_path / "p.json")
     assert proc.returncode == 0, proc.stderr
     rows = {r["strategy"].split(":")[0]: r for r in json.loads(proc.stdout)["compare"][1:]}
-    assert set(rows) == {"all-gpu", "greedy", "ngl", "stream"}
+    assert set(rows) == {"all-gpu", "greedy", "ngl", "ngl-nkvo", "stream"}
     assert not rows["all-gpu"]["fits"] and rows["all-gpu"]["ratio_to_chosen"] is None
     assert rows["all-gpu"]["missing_bytes"]["gpu"] >= 13.4e9 - 10 * 2**30
     assert rows["ngl"]["fits"] and rows["greedy"]["fits"]

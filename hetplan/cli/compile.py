@@ -37,7 +37,8 @@ Examples:
               help="Where to write the plan (written atomically; byte-identical for identical inputs).")
 @click.option("--strategy", default="ilp", show_default=True, metavar="NAME",
               help="ilp (exact MILP), all-gpu, greedy (Accelerate device_map=auto), ngl[:N] "
-                   "(llama.cpp -ngl; N omitted = most layers that fit), stream (FlexGen-style).")
+                   "(llama.cpp -ngl; N omitted = what --fit picks), ngl-nkvo[:N] (-ngl N -nkvo), "
+                   "stream (FlexGen-style), cpu-moe, n-cpu-moe[:N] (llama.cpp --cpu-moe, --n-cpu-moe).")
 @click.option("--objective", default="latency", show_default=True,
               type=click.Choice(["latency", "ttft", "tpot", "throughput"]),
               help="What to minimise: latency = TTFT + gen-len x TPOT; ttft; tpot; throughput = "
@@ -79,9 +80,9 @@ Examples:
               help="Also write the MILP in LP format, one file per staging depth tried "
                    "(model.lp -> model.depth1.lp, model.depth2.lp).")
 @click.option("--compare", is_flag=True,
-              help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N, stream; for MoE "
-                   "models also cpu-moe and best n-cpu-moe:N) on the same model, machine and workload: "
-                   "TTFT, TPOT, memory, fits?, ratio.")
+              help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N and ngl-nkvo:N, "
+                   "stream; for MoE models also cpu-moe and best n-cpu-moe:N) on the same model, machine and "
+                   "workload: TTFT, TPOT, memory, fits?, ratio, and the tool version each baseline follows.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (path, predicted, memory, solver with solve_seconds, compile_seconds and compile_cpu_seconds, notes"
                    "[, compare]) to stdout and nothing else there.")

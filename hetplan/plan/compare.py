@@ -15,8 +15,10 @@ from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Plan
 from hetplan.problem import Problem, build_problem
 
-BASELINE_ORDER = ("all-gpu", "greedy", "ngl", "stream")
-"""Baselines listed by ``--compare``; ``ngl`` is shown at its best layer count."""
+BASELINE_ORDER = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "stream")
+"""Baselines listed by ``--compare``; ``ngl`` and ``ngl-nkvo`` are shown at their best layer count."""
+COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
+"""Baselines shown at their best layer count (``best_count``)."""
 MOE_BASELINE_ORDER = ("cpu-moe", "n-cpu-moe")
 """Listed besides for MoE models; ``n-cpu-moe`` at its best layer count."""
 
@@ -57,10 +59,11 @@ def _baseline(problem: Problem, strategy: str, arg: int | None, req: CompileRequ
 
 
 def best_count(problem: Problem, req: CompileRequest, name: str = "ngl") -> Candidate:
-    """``ngl:N`` (N in 0..n_layers+1) or ``n-cpu-moe:N`` (N in 0..n_layers) with the best
-    objective among those that fit (when none fits, the one nearest to fitting: ngl with every
-    layer, n-cpu-moe with none on the GPU)."""
-    counts = range(problem.model.n_layers + 2) if name == "ngl" else range(problem.model.n_layers + 1)
+    """``ngl:N`` or ``ngl-nkvo:N`` (N in 0..n_layers+1) or ``n-cpu-moe:N`` (N in 0..n_layers)
+    with the best objective among those that fit (when none fits, the last tried: ngl with every
+    layer, n-cpu-moe with every layer's experts in DRAM)."""
+    top = problem.model.n_layers + (1 if name == "n-cpu-moe" else 2)
+    counts = range(top)
     best = None
     for n in counts:
         cand = _baseline(problem, name, n, req)
@@ -78,7 +81,7 @@ def compare(plan: Plan, req: CompileRequest) -> list:
     rows = [Candidate(plan.solver["strategy"], plan, {} if fits(plan) else missing_bytes(plan), chosen=True)]
     names = BASELINE_ORDER + (MOE_BASELINE_ORDER if plan.model.is_moe else ())
     for name in names:
-        rows.append(best_count(problem, req, name) if name in ("ngl", "n-cpu-moe")
+        rows.append(best_count(problem, req, name) if name in COUNTED
                     else _baseline(problem, name, None, req))
     return rows
 
@@ -87,6 +90,12 @@ def ratio_to_chosen(rows: list, cand: Candidate) -> float | None:
     """How many times worse than the chosen plan ``cand`` is on the objective (1.0 = as good);
     None when ``cand`` does not fit in memory (its times could not be had)."""
     return score(cand.plan) / score(rows[0].plan) if cand.fits else None
+
+
+def follows(strategy: str) -> str:
+    """The tool and version a baseline strategy follows (``-`` for the chosen strategy's own)."""
+    from hetplan.solvers.baselines import FOLLOWS
+    return FOLLOWS.get(strategy.partition(":")[0], "-")
 
 
 def compare_dicts(rows: list) -> list:
@@ -99,5 +108,6 @@ def compare_dicts(rows: list) -> list:
                     "decode_tokens_per_s": p["decode_tokens_per_s"],
                     "throughput_tokens_per_s": p["throughput_tokens_per_s"],
                     "gpu_bytes": c.plan.memory["gpu_bytes"], "cpu_bytes": c.plan.memory["cpu_bytes"],
-                    "ratio_to_chosen": ratio_to_chosen(rows, c)})
+                    "ratio_to_chosen": ratio_to_chosen(rows, c),
+                    "follows": "-" if c.chosen else follows(c.strategy)})
     return out

@@ -175,7 +175,8 @@ def render_show(plan: Plan) -> str:
 # -- compare table ---------------------------------------------------------------------------
 
 def compare_table(rows: list, objective: str) -> str:
-    """The ``--compare`` table from ``hetplan.plan.compare.compare_dicts`` rows (chosen plan first)."""
+    """The ``--compare`` table from ``hetplan.plan.compare.compare_dicts`` rows (chosen plan first),
+    each baseline with the tool version it follows."""
     out = []
     for r in rows:
         fit = "yes" if r["fits"] else "no: " + ", ".join(f"{t.upper()} short {format_bytes(b)}"
@@ -183,7 +184,8 @@ def compare_table(rows: list, objective: str) -> str:
         ratio = r["ratio_to_chosen"]
         out.append([r["strategy"] + (" (chosen)" if r["chosen"] else ""), format_seconds(r["ttft_s"]),
                     format_seconds(r["tpot_s"]), f"{r['decode_tokens_per_s']:.2f}", format_bytes(r["gpu_bytes"]),
-                    format_bytes(r["cpu_bytes"]), fit, "-" if ratio is None else f"{ratio:.2f}x"])
+                    format_bytes(r["cpu_bytes"]), fit, "-" if ratio is None else f"{ratio:.2f}x",
+                    r.get("follows", "-")])
     ratio_head = "x chosen (1/tok/s)" if objective == "throughput" else f"x chosen ({objective})"
-    return format_table(["strategy", "TTFT", "TPOT", "decode tok/s", "GPU mem", "CPU mem", "fits?", ratio_head],
-                        out, right={1, 2, 3, 4, 5, 7})
+    return format_table(["strategy", "TTFT", "TPOT", "decode tok/s", "GPU mem", "CPU mem", "fits?", ratio_head,
+                         "follows"], out, right={1, 2, 3, 4, 5, 7})

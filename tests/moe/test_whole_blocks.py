@@ -47,7 +47,7 @@ FAMILIES = {
 STRATEGIES = {
     # name: (strategy, gpu_mem, {(block kind, tier), ...} the plan must contain)
     "all-gpu": ("all-gpu", None, {("moe", "gpu")}),
-    "ngl": ("ngl:1", None, {("moe", "gpu"), ("moe", "cpu")}),
+    "ngl": ("ngl:2", None, {("moe", "gpu"), ("moe", "cpu")}),  # the output layer and the last layer
     "stream": ("stream", None, {("moe", "stream")}),
     "ilp-small-gpu": ("ilp", "200KiB", {("moe", "experts in dram"), ("attn", "on the gpu")}),
 }

@@ -1,0 +1,218 @@
+"""The baselines place a model the way the tools they name do, checked against placements worked
+out by hand here from the tools' rules on small models:
+
+- llama.cpp ``-ngl N``: layer slot ``il`` (repeating layers 0..L-1, then the output layer L) is on
+  the GPU when ``il >= L + 1 - N``; token embeddings stay in DRAM; KV caches live with their
+  layer, or all in DRAM with ``-nkvo``; in a prompt of 32+ tokens a DRAM-resident layer is
+  computed on the GPU with its weights copied up just before use (op offload), below 32 on
+  the CPU; ``--fit`` (no N) takes the most slots that leave 1 GiB of the GPU free.
+- llama.cpp ``--cpu-moe`` / ``--n-cpu-moe N``: routed experts of the first N layers in DRAM.
+- Accelerate ``device_map="auto"``: modules in order onto the GPU while they fit in the budget
+  less the largest module not yet placed; weights only (no KV); offloaded modules copied to
+  the GPU synchronously before use.
+
+Sizes of the tiny llama (4 layers, hidden 256, 4 heads of 64 with 2 KV heads, MLP 512, vocab
+1000, fp16, RMSNorm), in bytes at 2 per parameter:
+  attention  q 256x256 + k 256x128 + v 256x128 + o 256x256 + norm 256  = 196 864 params -> 393 728
+  MLP        gate/up/down 3 x 256x512 + norm 256                       = 393 472 params -> 786 944
+  embedding  1000 x 256                                                = 256 000 params -> 512 000
+  head       1000 x 256 + final norm 256                               = 256 256 params -> 512 512
+  KV cache   2 (K, V) x 2 heads x 64 x 2 B = 512 B per token and layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hetplan.evaluate import make_plan, memory_report
+from hetplan.plan.compare import compare, compare_dicts
+from hetplan.plan.report import compare_table
+from hetplan.problem import build_problem
+from hetplan.solvers import baselines
+from hetplan.workload import Workload
+from hetplan.compiler import CompileRequest
+from tests.conftest import tiny_spec, tiny_node
+
+GIB = 1 << 30
+ATTN, MLP, EMBED, HEAD, KV_PER_TOKEN = 393_728, 786_944, 512_000, 512_512, 512
+LAYER = ATTN + MLP
+
+
+def problem(prompt_len=16, gen_len=16, batch=1, gpu_bytes=4 * GIB, **spec):
+    node = dataclasses.replace(tiny_node(4.0), gpus=(dataclasses.replace(tiny_node(4.0).gpus[0],
+                                                                          memory_bytes=int(gpu_bytes)),))
+    return build_problem(tiny_spec(n_layers=4, **spec), node, Workload(batch=batch, prompt_len=prompt_len,
+                                                                       gen_len=gen_len))
+
+
+def placed(dec, *blocks) -> list:
+    return [(dec.weights[b], dec.exec["prefill"][b], dec.exec["decode"][b]) for b in blocks]
+
+
+def plan_of(p, dec, name="baseline"):
+    return make_plan(p, dec, {"strategy": name, "status": "heuristic", "mip_gap": None, "options": {}})
+
+
+def test_the_tiny_models_sizes_are_the_ones_worked_out_by_hand():
+    p = problem()
+    sizes = {b.name: b.weight_bytes for b in p.blocks}
+    assert sizes == {"embed": EMBED, "head": HEAD, **{f"attn_{l}": ATTN for l in range(4)},
+                     **{f"mlp_{l}": MLP for l in range(4)}}
+    assert {b.kv_bytes for b in p.blocks if b.kind == "attn"} == {32 * KV_PER_TOKEN}
+
+
+# -- llama.cpp -ngl -------------------------------------------------------------------------------
+
+def test_ngl_counts_the_output_layer_as_the_last_of_the_gpu_slots():
+    p = problem()  # 16-token prompt: no op offload
+    one, three = baselines.ngl(p, 1), baselines.ngl(p, 3)
+    # -ngl 1: slot 4 (the output layer) only; -ngl 3: slots 2, 3, 4
+    assert [b for b, w in one.weights.items() if w == "gpu"] == ["head"]
+    assert sorted(b for b, w in three.weights.items() if w == "gpu") == ["attn_2", "attn_3", "head", "mlp_2", "mlp_3"]
+    assert three.kv == {"attn_0": "cpu", "attn_1": "cpu", "attn_2": "gpu", "attn_3": "gpu"}
+    assert placed(three, "attn_1", "mlp_1") == [("cpu", "cpu", "cpu")] * 2
+
+
+def test_ngl_keeps_the_token_embeddings_in_dram_even_with_every_layer_on_the_gpu():
+    dec = baselines.ngl(problem(prompt_len=64), 5)
+    assert placed(dec, "embed") == [("cpu", "cpu", "cpu")]
+    assert all(w == "gpu" for b, w in dec.weights.items() if b != "embed")
+    assert set(dec.kv.values()) == {"gpu"}
+
+
+def test_prompts_of_32_tokens_compute_dram_layers_on_the_gpu_with_their_weights_copied():
+    for p in (problem(prompt_len=32), problem(prompt_len=16, batch=2)):
+        dec = baselines.ngl(p, 1)
+        # copied up for prefill (weights stream, prefill stream), computed on the CPU in decode
+        assert placed(dec, "attn_0", "mlp_3") == [("stream", "stream", "cpu")] * 2
+        assert placed(dec, "embed") == [("cpu", "cpu", "cpu")]  # a lookup is never offloaded
+        assert dec.kv["attn_0"] == "cpu" and dec.depth == 1
+    below = baselines.ngl(problem(prompt_len=31), 1)
+    assert placed(below, "attn_0", "mlp_3") == [("cpu", "cpu", "cpu")] * 2
+
+
+def test_op_offload_copies_each_layer_right_before_use_never_ahead():
+    p = problem(prompt_len=32)
+    plan = plan_of(p, baselines.ngl(p, 1))
+    tasks = plan.schedule["prefill"].tasks
+    loads = [t for t in tasks if t.resource == "h2d"]
+    compute = [t for t in tasks if t.resource in ("gpu", "cpu")]
+    assert {t.block for t in loads} == {f"{k}_{l}" for k in ("attn", "mlp") for l in range(4)}
+    for load in loads:  # no copy overlaps any compute
+        assert all(c.end_s <= load.start_s * (1 + 1e-12) or c.start_s >= load.end_s * (1 - 1e-12) for c in compute)
+    assert not [t for t in plan.schedule["decode"].tasks if t.resource == "h2d"]
+    # one staging slot of the largest copied block (the MLP) on the GPU
+    assert plan.memory["breakdown"]["gpu"]["staging"] == MLP
+
+
+def test_fit_takes_the_most_slots_that_leave_one_gib_free():
+    ws = problem().gpu_workspace_bytes
+    per_layer = LAYER + 32 * KV_PER_TOKEN  # weights and the layer's KV cache (16 + 16 tokens)
+    # room for the output layer and two repeating layers, half a layer short of a third
+    budget = GIB + ws + HEAD + 2 * per_layer + per_layer // 2
+    dec = baselines.ngl(problem(gpu_bytes=budget))
+    assert sorted(b for b, w in dec.weights.items() if w == "gpu") == ["attn_2", "attn_3", "head", "mlp_2", "mlp_3"]
+    # everything fits without the margin but not with it: --fit still drops layers
+    everything = ws + HEAD + 4 * per_layer
+    dec = baselines.ngl(problem(gpu_bytes=everything + GIB // 2))
+    assert [w for b, w in dec.weights.items() if b != "embed"].count("gpu") < 9
+    # with the margin there, it is every slot
+    dec = baselines.ngl(problem(gpu_bytes=everything + GIB))
+    assert all(w == "gpu" for b, w in dec.weights.items() if b != "embed")
+
+
+def test_nkvo_keeps_every_kv_cache_and_decode_attention_on_the_cpu():
+    p = problem(prompt_len=64)
+    dec = baselines.ngl_nkvo(p, 5)
+    assert set(dec.kv.values()) == {"cpu"}
+    assert all(w == "gpu" for b, w in dec.weights.items() if b != "embed")
+    decode = {t.id: t.resource for t in plan_of(p, dec).schedule["decode"].tasks}
+    assert {decode[f"attn_core/attn_{l}"] for l in range(4)} == {"cpu"}
+    assert {decode[f"attn_in/attn_{l}"] for l in range(4)} == {"gpu"}
+    # --fit without the KV on the GPU: 2 x 32 x 512 B more room per layer, checked by memory
+    assert memory_report(p, dec)[0]["breakdown"]["gpu"]["kv"] == 0
+
+
+# -- llama.cpp --cpu-moe / --n-cpu-moe ----------------------------------------------------------
+
+MOE = dict(arch="mixtral", n_experts=4, experts_per_token=2, moe_intermediate=256)
+
+
+def test_cpu_moe_keeps_the_experts_and_embeddings_in_dram_and_copies_experts_up_for_long_prompts():
+    p = problem(prompt_len=32, **MOE)
+    dec = baselines.cpu_moe(p)
+    assert dec.experts == {f"moe_{l}": 0 for l in range(4)}
+    assert placed(dec, "moe_0", "moe_3") == [("gpu", "stream", "gpu")] * 2
+    assert placed(dec, "embed") == [("cpu", "cpu", "cpu")]
+    assert placed(dec, "attn_0", "head") == [("gpu", "gpu", "gpu")] * 2
+    short = baselines.cpu_moe(problem(prompt_len=16, **MOE))
+    assert placed(short, "moe_0") == [("gpu", "gpu", "gpu")]  # the CPU computes the experts
+
+
+def test_n_cpu_moe_puts_the_experts_of_the_first_n_layers_in_dram():
+    dec = baselines.n_cpu_moe(problem(prompt_len=32, **MOE), 1)
+    assert dec.experts == {"moe_0": 0, "moe_1": 4, "moe_2": 4, "moe_3": 4}
+    assert placed(dec, "moe_0", "moe_1") == [("gpu", "stream", "gpu"), ("gpu", "gpu", "gpu")]
+
+
+# -- Accelerate device_map="auto" ---------------------------------------------------------------
+
+def test_accelerate_reserves_room_for_the_largest_layer_and_offloads_the_rest():
+    # embedding, then decoder layers (attention + MLP: the largest module) while
+    # used + size <= budget - LAYER: two layers fit, a third would without the reserve
+    dec = baselines.greedy(problem(gpu_bytes=EMBED + 3 * LAYER + 1000))
+    gpu = sorted(b for b, w in dec.weights.items() if w == "gpu")
+    assert gpu == ["attn_0", "attn_1", "embed", "mlp_0", "mlp_1"]
+    assert placed(dec, "attn_2", "mlp_3", "head") == [("stream", "stream", "stream")] * 3
+    assert dec.depth == 1 and set(dec.kv.values()) == {"gpu"}
+
+
+def test_accelerate_shrinks_the_reserve_once_the_largest_modules_are_placed():
+    # the last layer only needs room for the head (the largest module left) beside it
+    full = EMBED + 4 * LAYER + HEAD
+    dec = baselines.greedy(problem(gpu_bytes=full))
+    assert all(w == "gpu" for w in dec.weights.values())
+    dec = baselines.greedy(problem(gpu_bytes=full - 1))
+    assert placed(dec, "attn_3", "mlp_3", "head") == [("stream", "stream", "stream")] * 3
+    assert dec.weights["mlp_2"] == "gpu"
+
+
+def test_accelerate_counts_no_kv_cache():
+    budget = EMBED + 3 * LAYER + 1000
+    short, long = problem(gpu_bytes=budget), problem(gpu_bytes=budget, gen_len=4000)
+    assert baselines.greedy(short).weights == baselines.greedy(long).weights
+    # 4016 tokens x 512 B x 4 layers of KV on the GPU beside the weights: the plan says it does not fit
+    assert memory_report(long, baselines.greedy(long))[0]["gpu_bytes"] > budget
+
+
+# -- the compare table --------------------------------------------------------------------------
+
+def test_compare_says_which_tool_version_each_baseline_follows():
+    p = problem(prompt_len=32)
+    plan = plan_of(p, baselines.all_gpu(p), "hand")
+    req = CompileRequest(model="tiny", hw="tiny-node", prompt_len=32, gen_len=16)
+    rows = {r["strategy"].split(":")[0]: r for r in compare_dicts(compare(plan, req))}
+    assert rows["hand"]["follows"] == "-"
+    for name in ("ngl", "ngl-nkvo"):
+        assert rows[name]["follows"].startswith("llama.cpp") and "fit.cpp" in rows[name]["follows"]
+    assert rows["greedy"]["follows"].startswith("Accelerate")
+    assert "llama.cpp" in compare_table(list(rows.values()), "latency")
+
+
+@pytest.mark.parametrize("strategy", ["ngl-nkvo", "ngl-nkvo:2"])
+def test_nkvo_is_a_strategy_of_its_own(strategy, tmp_path):
+    from hetplan.compiler import compile_plan
+    plan, _ = compile_plan(CompileRequest(model="llama-3.2-1b", hw="laptop-8g", strategy=strategy,
+                                          prompt_len=64, gen_len=8))
+    assert plan.solver["strategy"] == strategy
+    assert {b["kv"] for b in plan.placement if b["kind"] == "attn"} == {"cpu"}
+
+
+def test_accelerate_places_a_tied_head_with_the_embedding():
+    # tied parameters go together: the head (512 512 B) rides with the embedding, first in order
+    dec = baselines.greedy(problem(gpu_bytes=EMBED + HEAD + 3 * LAYER + 1000, tie_embeddings=True))
+    assert sorted(b for b, w in dec.weights.items() if w == "gpu") == ["attn_0", "attn_1", "embed", "head",
+                                                                       "mlp_0", "mlp_1"]
+    assert placed(dec, "attn_2", "mlp_3") == [("stream", "stream", "stream")] * 2
