@@ -17,17 +17,20 @@ CPU's roofline already reaches C_dram alone, so a DMA out of pinned DRAM during 
 bandwidth-bound CPU task takes its bytes from the CPU's share, and a lone copy is limited by
 min(link * eff_link, C_dram, C_hbm) (the cost model's copy time is the first term).
 
-Fluid rule. A task i of nominal duration d_i (its time alone, from the cost model) moving b_i
-bytes demands a_i = b_i / d_i on each bus it uses. With R the tasks running at an instant, the
-load on bus x is  D_x = sum_(j in R uses x) a_j  and task i progresses at the rate
+Fluid rule (max-min fair sharing, by progressive filling). A task i of nominal duration d_i
+(its time alone, from the cost model) moving b_i bytes demands a_i = b_i / d_i on each bus it
+uses. Among the tasks running at an instant, every task's bandwidth r_i starts at 0 and all
+rise together; a task stops rising when it reaches its demand a_i or when a bus it uses is full
+(sum of the r_j on it = C_x); the others keep rising until every task has stopped. So a bus
+that is not oversubscribed gives every user its demand, and an oversubscribed one gives each
+user min(a_i, its fair share of what the others leave). Task i then progresses at
+rho_i = r_i / a_i of its nominal speed (its remaining nominal seconds fall by rho_i per second).
+Rates change only when a task starts or ends; between those events they are constant, so an
+event-driven replay is exact. Tasks with no bytes or no duration use no bus (rho = 1).
 
-    rho_i = min(1, min_(x used by i) C_x / D_x)
-
-of its nominal speed (its remaining nominal seconds fall by rho_i per second). All users of an
-oversubscribed bus slow by the same factor, so no bus carries more than its capacity:
-sum_j rho_j a_j <= (C_x / D_x) D_x = C_x. Rates change only when a task starts or ends; between
-those events they are constant, so an event-driven replay is exact. Tasks with no bytes or no
-duration use no bus.
+Two tasks on one bus, demands a_1 <= a_2, a_1 + a_2 > C: r_1 = min(a_1, C / 2), r_2 = C - r_1.
+A copy at the link rate beside a bandwidth-bound CPU task (a_2 = C_dram) therefore keeps its
+rate while the CPU task gets the rest; both end by (b_1 + b_2) / C when the CPU task is last.
 """
 
 from __future__ import annotations
@@ -55,23 +58,26 @@ def demand(task) -> float:
     return task.bytes / task.duration_s if task.duration_s > 0 and task.bytes > 0 else 0.0
 
 
-def rates(running, caps: dict) -> dict:
+def rates(running, caps: dict | None) -> dict:
     """task id -> rho_i for the tasks ``running`` (module docstring); ``caps`` None: all 1."""
-    if caps is None:
-        return {t.id: 1.0 for t in running}
-    load = {}
-    for t in running:
-        for x in BUSES_OF[t.resource]:
-            load[x] = load.get(x, 0.0) + demand(t)
-    out = {}
-    for t in running:
-        rho = 1.0
-        if demand(t) > 0:
-            for x in BUSES_OF[t.resource]:
-                if x in caps and load[x] > caps[x]:
-                    rho = min(rho, caps[x] / load[x])
-        out[t.id] = rho
-    return out
+    want = {t.id: demand(t) for t in running}
+    rate = {t.id: 0.0 for t in running}
+    buses = {t.id: [x for x in BUSES_OF[t.resource] if caps is not None and x in caps] for t in running}
+    rising = [tid for tid in want if want[tid] > 0 and buses[tid]]  # a list: sums in a fixed order
+    while rising:
+        room = {}
+        for x in caps:
+            users = [tid for tid in rising if x in buses[tid]]
+            if users:
+                used = sum(rate[tid] for tid in rate if x in buses[tid])
+                room[x] = (max(0.0, caps[x] - used), len(users))
+        step = min([want[tid] - rate[tid] for tid in rising] + [left / n for left, n in room.values()])
+        for tid in rising:
+            rate[tid] += step
+        full = [x for x, (left, n) in room.items() if left - step * n <= _DONE * caps[x]]
+        rising = [tid for tid in rising
+                  if rate[tid] < want[tid] * (1 - _DONE) and not any(x in full for x in buses[tid])]
+    return {tid: (min(1.0, rate[tid] / want[tid]) if want[tid] > 0 and buses[tid] else 1.0) for tid in want}
 
 
 def fluid_times(tasks, edges, caps: dict | None) -> dict:

@@ -13,9 +13,10 @@ with them: durations are taken as given, and every rule it checks is restated he
 Shared buses (restated from ``hetplan.buses``): CPU tasks move their bytes over DRAM, GPU tasks
 over HBM, copies over both. Bus capacities are C_dram = cpu mem_bandwidth * eff cpu_mem and
 C_hbm = gpu mem_bandwidth * eff gpu_mem. A running task with duration d and bytes b demands
-a = b / d of each of its buses; with D_x the summed demand of the running tasks on bus x, it
-progresses at min(1, min_x C_x / D_x) of its nominal speed, re-evaluated whenever a task starts
-or ends. A task's replayed time is therefore at least its duration.
+a = b / d of each of its buses. The running tasks share the buses max-min fairly: the bandwidth
+granted to each is raised in equal steps until it reaches the task's demand or a bus it uses
+is full. The task then progresses at (granted / a) of its nominal speed, re-evaluated whenever
+a task starts or ends, so its replayed time is at least its duration.
 
 Staging discipline: a ``load`` occupies its slot from its start until the end of the last
 compute task of its block in that phase; two occupancies of one slot must not overlap, slots are
@@ -131,20 +132,24 @@ _BUSES = {"cpu": ("dram",), "gpu": ("hbm",)}
 
 
 def _bus_speeds(running, capacity: dict | None) -> dict:
-    """task id -> fraction of its nominal speed while ``running`` run together."""
+    """task id -> fraction of its nominal speed while ``running`` run together (max-min fair)."""
     if capacity is None:
         return {t.id: 1.0 for t in running}
-    wants = {t.id: (t.bytes / t.duration_s if t.bytes > 0 else 0.0) for t in running}
-    load = {}
-    for t in running:
-        for bus in _BUSES.get(t.resource, ("dram", "hbm")):
-            load[bus] = load.get(bus, 0.0) + wants[t.id]
-    speed = {}
-    for t in running:
-        shares = [capacity[bus] / load[bus] for bus in _BUSES.get(t.resource, ("dram", "hbm"))
-                  if wants[t.id] > 0 and bus in capacity and load[bus] > capacity[bus]]
-        speed[t.id] = min([1.0] + shares)
-    return speed
+    uses = {t.id: [b for b in _BUSES.get(t.resource, ("dram", "hbm")) if b in capacity] for t in running}
+    wants = {t.id: t.bytes / t.duration_s for t in running if t.bytes > 0 and uses[t.id]}
+    granted = dict.fromkeys(wants, 0.0)
+    open_ = list(wants)
+    while open_:
+        spare = {b: capacity[b] - sum(granted[i] for i in granted if b in uses[i]) for b in capacity}
+        sharing = {b: sum(1 for i in open_ if b in uses[i]) for b in capacity}
+        raise_by = min(min(wants[i] - granted[i] for i in open_),
+                       min(max(spare[b], 0.0) / sharing[b] for b in capacity if sharing[b]))
+        for i in open_:
+            granted[i] += raise_by
+        saturated = [b for b in capacity if sharing[b] and spare[b] - raise_by * sharing[b] <= 1e-12 * capacity[b]]
+        open_ = [i for i in open_ if granted[i] < wants[i] * (1 - 1e-12)
+                 and not any(b in saturated for b in uses[i])]
+    return {t.id: min(1.0, granted[t.id] / wants[t.id]) if t.id in wants else 1.0 for t in running}
 
 
 def bus_capacity(hardware) -> dict:

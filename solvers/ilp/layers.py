@@ -43,10 +43,13 @@ from dataclasses import dataclass
 
 import pulp
 
+from hetplan.buses import capacities
 from hetplan.graph import PHASES
 from hetplan.plan import Decision
 from hetplan.problem import Problem
-from hetplan.solvers.ilp.objective import MS, Weights, block_costs, copy_s, duration_ms, highs_solver, run_highs
+from hetplan.solvers.ilp.constraints import add_bus_bounds
+from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, bus_bytes, copy_s, duration_ms, highs_solver,
+                                           run_highs)
 
 MAX_CUT_ROUNDS = 50
 
@@ -139,11 +142,36 @@ class _Prices:
     def __init__(self, problem: Problem, depth: int):
         self.problem, self.depth = problem, depth
         self.costs = {p: block_costs(problem, p) for p in PHASES}
+        self.caps = capacities(problem.hw)
 
     def duration(self, p, block, o: BlockOption) -> float:
         if o.hot is not None:
             return MS * self.problem.experts[p][block.name].split_times[o.hot]
         return duration_ms(self.costs[p][block.name], o.g(p), o.k or 0)
+
+    def bus_bytes(self, p, blocks, opts, copies: bool = True) -> dict:
+        """bus -> bytes ``blocks`` in options ``opts`` move over it in phase p
+        (``objective.bus_bytes``; a resident MoE block's expert split by its tasks' bytes:
+        router, hot experts and merge on HBM, cold experts on DRAM, their rows copied both ways);
+        ``copies`` False leaves out the block's own weight load and prompt-KV copies, which run
+        before and after its stages."""
+        wl = self.problem.workload
+        total = {"dram": 0.0, "hbm": 0.0}
+        for b, o in zip(blocks, opts):
+            if o.hot is not None:
+                x = self.problem.experts[p][b.name]
+                part = {"hbm": x.route_work()[1] + x.hot_work(o.hot)[1], "dram": 0.0}
+                if o.hot < x.n_experts:
+                    rows = x.down_bytes(o.hot) + x.up_bytes(o.hot)
+                    part = {"hbm": part["hbm"] + x.merge_bytes(o.hot) + rows, "dram": x.cold_work(o.hot)[1] + rows}
+            else:
+                load = b.weight_bytes * o.s[PHASES.index(p)] if copies else 0.0
+                kv = wl.batch * wl.prompt_len * b.kv_bytes_per_token \
+                    if copies and p == "prefill" and o.k is not None else 0.0
+                part = bus_bytes(self.costs[p][b.name], o.g(p), o.k or 0, load, kv)
+            for x in total:
+                total[x] += part[x]
+        return total
 
     def gpu_bytes(self, block, o: BlockOption) -> float:
         """HBM bytes of ``block``'s weights and KV cache in option ``o``."""
@@ -153,13 +181,21 @@ class _Prices:
         return block.weight_bytes * o.r + (block.kv_bytes * o.k if o.k is not None else 0.0)
 
     def gap(self, p, prev, po: BlockOption, cur, co: BlockOption) -> float:
-        """Least time between the end of block ``prev`` and the start of ``cur`` (ms)."""
+        """Least time between the end of block ``prev`` and the start of ``cur`` (ms): the copy
+        of its input, or the wait for its load, which cannot outrun the buses it shares with
+        what runs beside it (``constraints.add_bus_windows``: the load's bytes, and at depth 2
+        block ``prev``'s, over each bus's capacity)."""
         first = self.costs[p][cur.name][0]
         copy = MS * copy_s(first, co.g(p) > 0, po.g(p) > 0)
-        load = MS * self.problem.load_s.get(cur.name, 0.0) * co.s[PHASES.index(p)]
+        streamed = co.s[PHASES.index(p)]
+        load = MS * self.problem.load_s.get(cur.name, 0.0) * streamed
+        window = [load]
+        if streamed:
+            beside = self.bus_bytes(p, (prev,), (po,), copies=False) if self.depth == 2 else {"dram": 0.0, "hbm": 0.0}
+            window += [MS * (cur.weight_bytes + beside[x]) / self.caps[x] for x in beside if x in self.caps]
         if self.depth == 2:
-            load -= self.duration(p, prev, po)
-        return max(copy, load)
+            return max(copy, max(window) - self.duration(p, prev, po))
+        return max(copy, max(window))
 
     def chain(self, p, blocks, opts) -> float:
         """Duration of consecutive ``blocks`` in options ``opts``, gaps between them included."""
@@ -215,7 +251,8 @@ class LayerModel:
         self.T = {}
         for p in PHASES:
             self.T[p] = pulp.LpVariable(f"T_{p}", lowBound=0)
-            prob += self.T[p] == pulp.lpSum(c[p] * v for v, c in arcs.values() if c[p]), f"makespan_{p}"
+            prob += self.T[p] >= pulp.lpSum(c[p] * v for v, c in arcs.values() if c[p]), f"makespan_{p}"
+        self._add_bus_bounds(prices, first, layer, last)
         # memory per tier
         def tier_bytes(blocks, opts, on_gpu):
             gpu = sum(prices.gpu_bytes(b, o) for b, o in zip(blocks, opts))
@@ -244,6 +281,26 @@ class LayerModel:
         self.weights = Weights(problem)
         prob += self.weights.weighted_ms(self.T), "objective_ms"
         self.n_cuts = 0
+
+    def _add_bus_bounds(self, prices, first, layer, last) -> None:
+        """``constraints.add_bus_bounds`` over the flow: the bytes of each layer option times
+        how many layers take it, plus the embedding's and the head's options taken:
+            T_p >= MS / C_x * (sum_o n_o bytes_opx + sum_e a_e bytes_epx + sum_h z_h bytes_hpx)."""
+        caps = capacities(self.problem.hw)
+        first_e = {e: pulp.lpSum(v for k, (v, _) in self.arcs.items() if k[:2] == ("E", e))
+                   for e in range(len(self.first_opts))}
+        last_h = {h: pulp.lpSum(v for k, (v, _) in self.arcs.items() if k[2:] == ("H", h))
+                  for h in range(len(self.last_opts))}
+        for p in PHASES:
+            total = {"dram": 0, "hbm": 0}
+            terms = [(prices.bus_bytes(p, layer, self.layer_opts[o]), v) for o, v in self.n.items()]
+            terms += [(prices.bus_bytes(p, (first,), (self.first_opts[e],)), v) for e, v in first_e.items()]
+            terms += [(prices.bus_bytes(p, (last,), (self.last_opts[h],)), v) for h, v in last_h.items()]
+            for nbytes, v in terms:
+                for x in total:
+                    if nbytes[x]:
+                        total[x] += nbytes[x] * v
+            add_bus_bounds(self.prob, self.T[p], total, caps, p)
 
     def _enter_leave(self, o: int) -> tuple:
         """(A node, M node) of layer option ``o``."""
