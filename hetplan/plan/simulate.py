@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hetplan.errors import HetplanError
+from hetplan.plan.sharing import bus_capacity, bus_speeds
 
 PHASES = ("prefill", "decode")
 COMPUTE_RESOURCES = ("gpu", "cpu")
@@ -112,7 +113,7 @@ def replay(tasks, edges, phase: str = "phase", capacity: dict | None = None) -> 
 
     dispatch()
     while remaining:
-        speed = _bus_speeds([by_id[tid] for tid in remaining], capacity)
+        speed = bus_speeds([by_id[tid] for tid in remaining], capacity)
         dt = min(remaining[tid] / speed[tid] for tid in remaining)
         now += dt
         for tid in list(remaining):
@@ -125,39 +126,6 @@ def replay(tasks, edges, phase: str = "phase", capacity: dict | None = None) -> 
         raise PlanInvalid(f"{phase}: tasks never become ready, a dependency cycle through edges and "
                           f"queue order: {_stuck(queues, waiting, successors, end)}; recompile the plan")
     return start, end
-
-
-_BUSES = {"cpu": ("dram",), "gpu": ("hbm",)}
-"""Buses of compute tasks; every other resource is a copy between DRAM and HBM."""
-
-
-def _bus_speeds(running, capacity: dict | None) -> dict:
-    """task id -> fraction of its nominal speed while ``running`` run together (max-min fair)."""
-    if capacity is None:
-        return {t.id: 1.0 for t in running}
-    uses = {t.id: [b for b in _BUSES.get(t.resource, ("dram", "hbm")) if b in capacity] for t in running}
-    wants = {t.id: t.bytes / t.duration_s for t in running if t.bytes > 0 and uses[t.id]}
-    granted = dict.fromkeys(wants, 0.0)
-    open_ = list(wants)
-    while open_:
-        spare = {b: capacity[b] - sum(granted[i] for i in granted if b in uses[i]) for b in capacity}
-        sharing = {b: sum(1 for i in open_ if b in uses[i]) for b in capacity}
-        raise_by = min(min(wants[i] - granted[i] for i in open_),
-                       min(max(spare[b], 0.0) / sharing[b] for b in capacity if sharing[b]))
-        for i in open_:
-            granted[i] += raise_by
-        saturated = [b for b in capacity if sharing[b] and spare[b] - raise_by * sharing[b] <= 1e-12 * capacity[b]]
-        open_ = [i for i in open_ if granted[i] < wants[i] * (1 - 1e-12)
-                 and not any(b in saturated for b in uses[i])]
-    return {t.id: min(1.0, granted[t.id] / wants[t.id]) if t.id in wants else 1.0 for t in running}
-
-
-def bus_capacity(hardware) -> dict:
-    """bus -> bytes/s the bus delivers to all its users together (module docstring)."""
-    cap = {"dram": hardware.cpu.mem_bytes_per_s * hardware.efficiency["cpu_mem"]}
-    if hardware.gpus:
-        cap["hbm"] = hardware.gpus[0].mem_bytes_per_s * hardware.efficiency["gpu_mem"]
-    return cap
 
 
 def _stuck(queues, waiting, successors, end) -> str:

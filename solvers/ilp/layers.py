@@ -22,7 +22,12 @@ options), M (options of a layer's last block), H (head options):
 
     E -a_ea-> A -n_o-> O -n_o-> M -y_ma-> A,     M -z_mh-> H
     a, z binary (one each), n, y integer, flow conserved at A and M, sum_o n_o = L
-    T_p = sum over arcs of flow * (duration of what the arc enters + gap it crosses)
+    T_p >= sum over arcs of flow * (duration of what the arc enters + gap it crosses)
+    T_p >= MS / C_x * sum over arcs of flow * bytes over bus x    (x = DRAM, HBM)
+
+A gap also waits for a load no faster than the buses allow (``_Prices.gap``,
+``constraints.add_bus_windows``), so the chain is exact at exclusive bandwidths and a lower
+bound once tasks share a bus (``hetplan.buses``).
 
 Memory per tier as in ``constraints.add_memory``, with the staging slot fixed per
 configuration. An integral flow is a path from embed to head plus, possibly, cycles the path
