@@ -148,6 +148,7 @@ class _Prices:
         self.problem, self.depth = problem, depth
         self.costs = {p: block_costs(problem, p) for p in PHASES}
         self.caps = capacities(problem.hw)
+        self._bus_memo = {}
 
     def duration(self, p, block, o: BlockOption) -> float:
         if o.hot is not None:
@@ -160,6 +161,12 @@ class _Prices:
         router, hot experts and merge on HBM, cold experts on DRAM, their rows copied both ways);
         ``copies`` False leaves out the block's own weight load and prompt-KV copies, which run
         before and after its stages."""
+        key = (p, tuple(b.name for b in blocks), tuple(opts), copies)
+        if key not in self._bus_memo:
+            self._bus_memo[key] = self._bus_bytes(p, blocks, opts, copies)
+        return self._bus_memo[key]
+
+    def _bus_bytes(self, p, blocks, opts, copies: bool) -> dict:
         wl = self.problem.workload
         total = {"dram": 0.0, "hbm": 0.0}
         for b, o in zip(blocks, opts):
@@ -257,7 +264,6 @@ class LayerModel:
         for p in PHASES:
             self.T[p] = pulp.LpVariable(f"T_{p}", lowBound=0)
             prob += self.T[p] >= pulp.lpSum(c[p] * v for v, c in arcs.values() if c[p]), f"makespan_{p}"
-        self._add_bus_bounds(prices, first, layer, last)
         # memory per tier
         def tier_bytes(blocks, opts, on_gpu):
             gpu = sum(prices.gpu_bytes(b, o) for b, o in zip(blocks, opts))
@@ -265,6 +271,7 @@ class LayerModel:
 
         first_e = {e: pulp.lpSum(out["E", e]) for e in range(len(self.first_opts))}
         last_h = {h: pulp.lpSum(into["H", h]) for h in range(len(self.last_opts))}
+        self._add_bus_bounds(prices, first, layer, last, out, into)
         used = pulp.LpVariable("gpu_used", cat="Binary")
         for on_gpu in (True, False):
             expr = pulp.lpSum(tier_bytes(layer, self.layer_opts[o], on_gpu) * v for o, v in self.n.items())
@@ -287,25 +294,29 @@ class LayerModel:
         prob += self.weights.weighted_ms(self.T), "objective_ms"
         self.n_cuts = 0
 
-    def _add_bus_bounds(self, prices, first, layer, last) -> None:
+    def _add_bus_bounds(self, prices, first, layer, last, out, into) -> None:
         """``constraints.add_bus_bounds`` over the flow: the bytes of each layer option times
         how many layers take it, plus the embedding's and the head's options taken:
-            T_p >= MS / C_x * (sum_o n_o bytes_opx + sum_e a_e bytes_epx + sum_h z_h bytes_hpx)."""
+            T_p >= MS / C_x * (sum_o n_o bytes_opx + sum_e a_e bytes_epx + sum_h z_h bytes_hpx).
+        ``out``/``into``: node -> flow variables of the arcs leaving / entering it."""
         caps = capacities(self.problem.hw)
-        first_e = {e: pulp.lpSum(v for k, (v, _) in self.arcs.items() if k[:2] == ("E", e))
-                   for e in range(len(self.first_opts))}
-        last_h = {h: pulp.lpSum(v for k, (v, _) in self.arcs.items() if k[2:] == ("H", h))
-                  for h in range(len(self.last_opts))}
         for p in PHASES:
-            total = {"dram": 0, "hbm": 0}
-            terms = [(prices.bus_bytes(p, layer, self.layer_opts[o]), v) for o, v in self.n.items()]
-            terms += [(prices.bus_bytes(p, (first,), (self.first_opts[e],)), v) for e, v in first_e.items()]
-            terms += [(prices.bus_bytes(p, (last,), (self.last_opts[h],)), v) for h, v in last_h.items()]
-            for nbytes, v in terms:
-                for x in total:
+            coef = {"dram": {}, "hbm": {}}  # bus -> flow variable -> bytes
+
+            def add(nbytes, variables):
+                for x in coef:
                     if nbytes[x]:
-                        total[x] += nbytes[x] * v
-            add_bus_bounds(self.prob, self.T[p], total, caps, p)
+                        for v in variables:
+                            coef[x][v] = coef[x].get(v, 0.0) + nbytes[x]
+
+            for o, v in self.n.items():
+                add(prices.bus_bytes(p, layer, self.layer_opts[o]), [v])
+            for e, eo in enumerate(self.first_opts):
+                add(prices.bus_bytes(p, (first,), (eo,)), out["E", e])
+            for h, ho in enumerate(self.last_opts):
+                add(prices.bus_bytes(p, (last,), (ho,)), into["H", h])
+            add_bus_bounds(self.prob, self.T[p], {x: pulp.LpAffineExpression(list(c.items()))
+                                                  for x, c in coef.items()}, caps, p)
 
     def _enter_leave(self, o: int) -> tuple:
         """(A node, M node) of layer option ``o``."""
