@@ -135,20 +135,23 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
                         "mip_rel_gap": opts.mip_rel_gap, "depths": list(opts.depths)},
             "size": {"binaries": res.n_binaries, "constraints": res.n_constraints}}
     dec = res.decision
-    if dec is not None and res.status != "optimal":
-        # Not proven optimal: never hand out something worse than a baseline that fits.
-        dec, info = _at_least_baselines(problem, dec, info, baseline)
+    if dec is not None:
+        # Never hand out something worse than a baseline that fits: a plan not proven optimal
+        # may be, and even a proven one is optimal for the MILP, whose bus terms only bound
+        # the replay (README, Strategies).
+        dec, info = _at_least_baselines(problem, dec, info, baseline, res.status != "optimal")
     return dec, info, res.solve_seconds
 
 
-def _at_least_baselines(problem: Problem, dec, info, baseline: tuple):
-    """``dec``, or the best fitting baseline (``baselines.best_fitting``) when it is better."""
+def _at_least_baselines(problem: Problem, dec, info, baseline: tuple, regap: bool = True):
+    """``dec``, or the best fitting baseline (``baselines.best_fitting``) when it replays
+    better; ``regap``: the MIP gap restated against the replayed objective."""
     best, best_obj = dec, objective_s(problem, predictions(problem, build_schedule(problem, dec)))
     name, cand, obj = baseline
     if obj < best_obj:
         best, best_obj = cand, obj
         info = dict(info, incumbent=f"baseline {name}")
-    if info.get("lower_bound_s") is not None and best_obj > 0:
+    if regap and info.get("lower_bound_s") is not None and best_obj > 0:
         info = dict(info, mip_gap=max(0.0, (best_obj - info["lower_bound_s"]) / best_obj))
     return best, info
 

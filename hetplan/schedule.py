@@ -5,8 +5,12 @@ copies where consecutive stages change device, weight loads of streamed blocks, 
 copied down when the cache lives in DRAM; an MoE block resident on the GPU split into its hot
 and cold experts, ``hetplan.experts``, its cold experts loaded like a streamed block's weights
 in a phase whose exec says ``stream``; its tasks carry expected times and its merge the expected
-wait for the later side, so the block's span is its expected makespan), the order of tasks on each resource, and the
-dependency edges. Times are the earliest start of each task given both (a longest path).
+wait for the later side, so the block's span is its expected makespan), the order of tasks on
+each resource, and the dependency edges. Times come from the fluid replay of ``hetplan.buses``:
+each resource serves its tasks in order, a task starts when its resource is free and its
+predecessors have ended, and tasks that overlap divide the DRAM bus and the HBM they use
+(without sharing, that is the longest path through the DAG and the queue orders;
+``shared_buses=False`` gives it, which the count MILP's chain is checked against).
 The ILP encodes the same rules as constraints in its own code; the simulator replays the result
 independently.
 
@@ -24,8 +28,7 @@ so they never queue behind a prefetch of a whole block.
 
 from __future__ import annotations
 
-import networkx as nx
-
+from hetplan.buses import capacities, fluid_times
 from hetplan.graph import PHASES
 from hetplan.plan import Decision, PhaseSchedule, Task
 from hetplan.problem import Problem
@@ -74,7 +77,7 @@ def streamed_slots(problem: Problem, dec: Decision, phase: str) -> dict:
     return {name: i % dec.depth for i, name in enumerate(streamed)}
 
 
-def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
+def build_phase(problem: Problem, dec: Decision, phase: str, shared_buses: bool = True) -> PhaseSchedule:
     if dec.depth not in (1, 2):
         raise ValueError(f"staging depth must be 1 or 2, got {dec.depth}")
     costs = problem.stages[phase]
@@ -156,27 +159,18 @@ def build_phase(problem: Problem, dec: Decision, phase: str) -> PhaseSchedule:
         return t
 
     h2d += [load(n) for n in names if n in slots]
-    return PhaseSchedule(tuple(_timed(compute + acts + h2d + d2h, edges)), tuple(edges))
+    tasks = compute + acts + h2d + d2h
+    return PhaseSchedule(tuple(_timed(tasks, edges, capacities(problem.hw) if shared_buses else None)),
+                         tuple(edges))
 
 
-def _timed(tasks: list, edges: list) -> list:
-    """Earliest start of every task: after its DAG predecessors and its resource predecessor
-    (the previous task of the same resource in list order)."""
-    g = nx.DiGraph()
-    g.add_nodes_from(t.id for t in tasks)
-    g.add_edges_from(edges)
-    last = {}
-    for t in tasks:
-        if t.resource in last:
-            g.add_edge(last[t.resource], t.id)
-        last[t.resource] = t.id
-    by_id = {t.id: t for t in tasks}
-    end = {}
-    for tid in nx.lexicographical_topological_sort(g):
-        start = max((end[p] for p in g.predecessors(tid)), default=0.0)
-        end[tid] = start + by_id[tid].duration_s
-    return [Task(**{**t.__dict__, "start_s": end[t.id] - t.duration_s, "end_s": end[t.id]}) for t in tasks]
+def _timed(tasks: list, edges: list, caps: dict | None) -> list:
+    """Every task with its start and end from the fluid replay (``hetplan.buses.fluid_times``)."""
+    times = fluid_times(tasks, edges, caps)
+    return [Task(**{**t.__dict__, "start_s": times[t.id][0], "end_s": times[t.id][1]}) for t in tasks]
 
 
-def build_schedule(problem: Problem, dec: Decision) -> dict:
-    return {phase: build_phase(problem, dec, phase) for phase in PHASES}
+def build_schedule(problem: Problem, dec: Decision, shared_buses: bool = True) -> dict:
+    """phase -> its PhaseSchedule; ``shared_buses`` False times every task at its nominal
+    duration (each bus exclusive to each task), the timeline the MILP's chain constraints model."""
+    return {phase: build_phase(problem, dec, phase, shared_buses) for phase in PHASES}

@@ -39,3 +39,13 @@ def tiny_node(gpu_gib: float | None = 4.0, cpu_gib: float = 16.0, **overrides) -
                       gpu_reserve_bytes=0, cpu_reserve_bytes=0, efficiency=dict(DEFAULT_EFFICIENCY),
                       latency_s=dict(DEFAULT_LATENCY_S))
     return dataclasses.replace(hw, **overrides)
+
+
+MILP_REPLAY_REL_TOL = 0.10
+"""How far the fluid replay of an ILP plan may exceed the MILP's objective (relative). The MILP
+times every task at its exclusive rate and bounds bus sharing by per-phase totals and by the
+window of each weight load (``solvers/ilp/constraints.add_bus_bounds``, ``add_bus_windows``);
+the replay also slows overlaps those leave out: a prompt-KV copy to DRAM beside a weight load
+out of DRAM, activation copies, and tasks that each use part of a bus but together exceed it.
+Measured: at most 2.3e-7 on the golden scenarios, 8.2% over 160 random small cases (the worst a
+DRAM of 21 GB/s effective under a 14 GB/s link with both copy directions busy)."""

@@ -70,10 +70,13 @@ def test_edge_to_an_unknown_task_is_refused():
 @pytest.fixture(scope="module")
 def streamed_plan():
     """A 4-layer model streamed block by block through two staging slots, over a link fast
-    enough that loads outrun compute (so only the slot edges hold them back)."""
+    enough that loads outrun compute (so only the slot edges hold them back): the GPU is slow
+    enough (10 GFLOPS) that even a load limited by HBM's share finishes well before its block."""
     spec = tiny_spec(n_layers=4, hidden=1024, intermediate=4096, n_heads=8, n_kv_heads=2, head_dim=128,
                      vocab=8000)
-    problem = build_problem(spec, tiny_node(0.25, 4.0, h2d_bytes_per_s=2e12),
+    node = tiny_node(0.25, 4.0, h2d_bytes_per_s=2e12)
+    slow_gpu = dataclasses.replace(node.gpu, flops_per_s={"fp16": 1e10, "bf16": 1e10, "fp32": 1e10})
+    problem = build_problem(spec, dataclasses.replace(node, gpus=(slow_gpu,)),
                             Workload(batch=1, prompt_len=128, gen_len=8))
     dec, info, _ = decide(problem, "stream", None, CompileRequest(model="tiny", hw="tiny"))
     plan = make_plan(problem, dec, info)

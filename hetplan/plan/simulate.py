@@ -10,6 +10,14 @@ each resource's busy time, the staging slots in use over time and the peak bytes
 It knows nothing about the cost model, the solver or the schedule builder and shares no code
 with them: durations are taken as given, and every rule it checks is restated here.
 
+Shared buses (restated from ``hetplan.buses``): CPU tasks move their bytes over DRAM, GPU tasks
+over HBM, copies over both. Bus capacities are C_dram = cpu mem_bandwidth * eff cpu_mem and
+C_hbm = gpu mem_bandwidth * eff gpu_mem. A running task with duration d and bytes b demands
+a = b / d of each of its buses. The running tasks share the buses max-min fairly: the bandwidth
+granted to each is raised in equal steps until it reaches the task's demand or a bus it uses
+is full. The task then progresses at (granted / a) of its nominal speed, re-evaluated whenever
+a task starts or ends, so its replayed time is at least its duration.
+
 Staging discipline: a ``load`` occupies its slot from its start until the end of the last
 compute task of its block in that phase; two occupancies of one slot must not overlap, slots are
 numbered ``0 .. depth - 1``, and a compute task that reads a slot starts after its load ended.
@@ -17,11 +25,11 @@ numbered ``0 .. depth - 1``, and a compute task that reads a slot starts after i
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass
 
 from hetplan.errors import HetplanError
+from hetplan.plan.sharing import bus_capacity, bus_speeds
 
 PHASES = ("prefill", "decode")
 COMPUTE_RESOURCES = ("gpu", "cpu")
@@ -54,12 +62,14 @@ class SimResult:
 
 # -- list scheduling ---------------------------------------------------------------------------
 
-def replay(tasks, edges, phase: str = "phase") -> tuple[dict, dict]:
+def replay(tasks, edges, phase: str = "phase", capacity: dict | None = None) -> tuple[dict, dict]:
     """Event-driven list scheduling of ``tasks`` (each with ``id``, ``resource``,
-    ``duration_s``) under ``edges`` (src id, dst id) -> (start_s, end_s) by task id.
+    ``duration_s``, ``bytes``) under ``edges`` (src id, dst id) -> (start_s, end_s) by task id.
 
-    Each resource is a serial queue served in list order. Raises PlanInvalid on duplicate ids,
-    unknown edge endpoints, negative durations, or a cycle (tasks that never become ready)."""
+    Each resource is a serial queue served in list order. ``capacity`` (bus -> bytes/s, None:
+    no sharing) slows tasks that overlap on a bus by the rule of the module docstring. Raises
+    PlanInvalid on duplicate ids, unknown edge endpoints, negative durations, or a cycle (tasks
+    that never become ready)."""
     by_id = {}
     for t in tasks:
         if t.id in by_id:
@@ -79,27 +89,38 @@ def replay(tasks, edges, phase: str = "phase") -> tuple[dict, dict]:
     for t in tasks:
         queues.setdefault(t.resource, deque()).append(t.id)
     busy = {r: False for r in queues}
-    start, end, running, seq = {}, {}, [], 0
+    start, end, remaining = {}, {}, {}
     now = 0.0
 
-    def dispatch():
-        nonlocal seq
-        for r in queues:
-            q = queues[r]
-            if not busy[r] and q and waiting[q[0]] == 0:
-                tid = q.popleft()
-                busy[r] = True
-                start[tid] = now
-                heapq.heappush(running, (now + by_id[tid].duration_s, seq, tid))
-                seq += 1
-
-    dispatch()
-    while running:
-        now, _, tid = heapq.heappop(running)
+    def complete(tid):
         end[tid] = now
         busy[by_id[tid].resource] = False
         for s in successors[tid]:
             waiting[s] -= 1
+
+    def dispatch():
+        progress = True
+        while progress:
+            progress = False
+            for r, q in queues.items():
+                if not busy[r] and q and waiting[q[0]] == 0:
+                    tid = q.popleft()
+                    busy[r], start[tid], progress = True, now, True
+                    if by_id[tid].duration_s > 0:
+                        remaining[tid] = by_id[tid].duration_s
+                    else:
+                        complete(tid)
+
+    dispatch()
+    while remaining:
+        speed = bus_speeds([by_id[tid] for tid in remaining], capacity)
+        dt = min(remaining[tid] / speed[tid] for tid in remaining)
+        now += dt
+        for tid in list(remaining):
+            remaining[tid] -= speed[tid] * dt
+            if remaining[tid] <= 1e-12 * by_id[tid].duration_s:
+                del remaining[tid]
+                complete(tid)
         dispatch()
     if len(end) < len(by_id):
         raise PlanInvalid(f"{phase}: tasks never become ready, a dependency cycle through edges and "
@@ -210,7 +231,7 @@ def simulate(plan) -> SimResult:
             if t.block not in entries:
                 raise PlanInvalid(f"{phase}: task {t.id} belongs to block {t.block!r}, which the "
                                   f"placement does not list")
-        start, end = replay(sched.tasks, sched.edges, phase)
+        start, end = replay(sched.tasks, sched.edges, phase, bus_capacity(plan.hardware))
         slots[phase], staged[phase] = staging_occupancy(sched.tasks, start, end, depth,
                                                         plan.staging["slot_bytes"], phase)
         makespan[phase] = max(end.values(), default=0.0)
@@ -255,6 +276,7 @@ def check_plan(plan, rel_tol: float = 1e-6) -> SimResult:
             raise PlanInvalid(f"{phase}: the node has no GPU, but {on_gpu[0].id} runs on "
                               f"{on_gpu[0].resource!r}")
         _check_recorded_times(plan.schedule[phase], phase)
+        _check_replayed_times(plan.schedule[phase], sim.start_s[phase], sim.end_s[phase], phase, rel_tol)
         _check_placement(plan, plan.schedule[phase], phase)
     for phase, key in (("prefill", "ttft_s"), ("decode", "tpot_s")):
         predicted, replayed = plan.predicted[key], sim.makespan_s[phase]
@@ -277,12 +299,13 @@ def check_plan(plan, rel_tol: float = 1e-6) -> SimResult:
 
 
 def _check_recorded_times(sched, phase: str) -> None:
-    """The plan's own start/end times: each task lasts its duration, starts after every
-    predecessor ended, and never overlaps the previous task of its resource."""
+    """The plan's own start/end times: each task lasts at least its duration (longer where it
+    shares a bus), starts after every predecessor ended, and never overlaps the previous task of
+    its resource."""
     by_id = {t.id: t for t in sched.tasks}
     for t in sched.tasks:
-        if abs((t.end_s - t.start_s) - t.duration_s) > _tol(t.end_s) + _tol(t.duration_s):
-            raise PlanInvalid(f"{phase}: {t.id} records {t.start_s:.9g}..{t.end_s:.9g} s, which is not "
+        if (t.end_s - t.start_s) - t.duration_s < -(_tol(t.end_s) + _tol(t.duration_s)):
+            raise PlanInvalid(f"{phase}: {t.id} records {t.start_s:.9g}..{t.end_s:.9g} s, shorter than "
                               f"its duration of {t.duration_s:.9g} s")
     for src, dst in sched.edges:
         a, b = by_id[src], by_id[dst]
@@ -296,6 +319,17 @@ def _check_recorded_times(sched, phase: str) -> None:
             raise PlanInvalid(f"{phase}: {t.id} starts at {t.start_s:.9g} s on {t.resource} while "
                               f"{prev.id} still runs there (until {prev.end_s:.9g} s)")
         last[t.resource] = t
+
+
+def _check_replayed_times(sched, start: dict, end: dict, phase: str, rel_tol: float) -> None:
+    """Recorded start and end of every task equal the replay's (within ``rel_tol`` of the
+    phase's makespan): what the plan shows is what its tasks, sharing the buses, take."""
+    scale = max(end.values(), default=0.0)
+    for t in sched.tasks:
+        for key, rec, rep in (("start", t.start_s, start[t.id]), ("end", t.end_s, end[t.id])):
+            if abs(rec - rep) > rel_tol * max(scale, 1e-12):
+                raise PlanInvalid(f"{phase}: {t.id} records its {key} at {rec:.9g} s, but the replay with "
+                                  f"shared buses has {rep:.9g} s; recompile the plan")
 
 
 def _check_placement(plan, sched, phase: str) -> None:

@@ -1,4 +1,5 @@
-"""The placement MILPs, exact for the plan's task model, solved by HiGHS through PuLP.
+"""The placement MILPs (exact for the task chain at exclusive bandwidths, a lower bound on the
+replay once tasks share a bus), solved by HiGHS through PuLP.
 
 ``solve`` (in ``per_block``) runs one MILP per configuration (staging depth, slot size): the count
 MILP of ``layers`` when the model's layers are all alike, else the per-block MILP. Constraint

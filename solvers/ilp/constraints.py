@@ -153,3 +153,29 @@ def add_makespan(prob, T, ends, p):
     """The phase ends when its last block and every copy have ended:  T_p >= E_x."""
     for i, e in enumerate(ends):
         prob += T >= e, f"makespan_{p}_{i}"
+
+
+def add_bus_bounds(prob, T, bus_bytes, caps, p):
+    """One DRAM bus and one HBM: whatever overlaps, no bus moves more than its effective
+    capacity C_x (``hetplan.buses``), so the phase lasts at least the bytes crossing it:
+        T_p >= MS * sum_b bytes_bpx / C_x      for x in (dram, hbm),
+    where bytes_bpx is affine in the placement (``objective.bus_bytes``). Alongside the chain,
+    which times every task at its exclusive rate, T_p is a lower bound on the replay in which
+    tasks that overlap divide a bus; it is that replay exactly when no bus is oversubscribed."""
+    for x, nbytes in bus_bytes.items():
+        if x in caps:
+            prob += T >= (1e3 / caps[x]) * nbytes, f"bus_{x}_{p}"
+
+
+def add_bus_windows(prob, S, issue, window_bytes, caps, p):
+    """A streamed block's load shares the buses with what runs beside it. Between the load's
+    issue W_b and the start of block b, the load (L_b s_bp bytes over DRAM and HBM) and, at
+    depth 2 (W_b = S_(b-1)), every task of block b-1 (its bytes B_(b-1)px, ``objective.bus_bytes``)
+    move their bytes, none faster than the bus's capacity:
+        S_b - W_b >= MS * (L_b s_bp + [depth 2] B_(b-1)px) / C_x      for x in (dram, hbm).
+    Valid for the fluid replay (its S_b and W_b are no earlier than the MILP's), and exact for
+    the window of a bandwidth-bound block beside a load that keeps its link rate."""
+    for b, nbytes in window_bytes.items():
+        for x, expr in nbytes.items():
+            if x in caps:
+                prob += S[b] - issue.get(b, 0) >= (1e3 / caps[x]) * expr, f"bus_window_{x}_{p}_{b}"

@@ -22,7 +22,12 @@ options), M (options of a layer's last block), H (head options):
 
     E -a_ea-> A -n_o-> O -n_o-> M -y_ma-> A,     M -z_mh-> H
     a, z binary (one each), n, y integer, flow conserved at A and M, sum_o n_o = L
-    T_p = sum over arcs of flow * (duration of what the arc enters + gap it crosses)
+    T_p >= sum over arcs of flow * (duration of what the arc enters + gap it crosses)
+    T_p >= MS / C_x * sum over arcs of flow * bytes over bus x    (x = DRAM, HBM)
+
+A gap also waits for a load no faster than the buses allow (``_Prices.gap``,
+``constraints.add_bus_windows``), so the chain is exact at exclusive bandwidths and a lower
+bound once tasks share a bus (``hetplan.buses``).
 
 Memory per tier as in ``constraints.add_memory``, with the staging slot fixed per
 configuration. An integral flow is a path from embed to head plus, possibly, cycles the path
@@ -43,10 +48,13 @@ from dataclasses import dataclass
 
 import pulp
 
+from hetplan.buses import capacities
 from hetplan.graph import PHASES
 from hetplan.plan import Decision
 from hetplan.problem import Problem
-from hetplan.solvers.ilp.objective import MS, Weights, block_costs, copy_s, duration_ms, highs_solver, run_highs
+from hetplan.solvers.ilp.constraints import add_bus_bounds
+from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, bus_bytes, copy_s, duration_ms, highs_solver,
+                                           run_highs)
 
 MAX_CUT_ROUNDS = 50
 
@@ -139,11 +147,43 @@ class _Prices:
     def __init__(self, problem: Problem, depth: int):
         self.problem, self.depth = problem, depth
         self.costs = {p: block_costs(problem, p) for p in PHASES}
+        self.caps = capacities(problem.hw)
+        self._bus_memo = {}
 
     def duration(self, p, block, o: BlockOption) -> float:
         if o.hot is not None:
             return MS * self.problem.experts[p][block.name].split_times[o.hot]
         return duration_ms(self.costs[p][block.name], o.g(p), o.k or 0)
+
+    def bus_bytes(self, p, blocks, opts, copies: bool = True) -> dict:
+        """bus -> bytes ``blocks`` in options ``opts`` move over it in phase p
+        (``objective.bus_bytes``; a resident MoE block's expert split by its tasks' bytes:
+        router, hot experts and merge on HBM, cold experts on DRAM, their rows copied both ways);
+        ``copies`` False leaves out the block's own weight load and prompt-KV copies, which run
+        before and after its stages."""
+        key = (p, tuple(b.name for b in blocks), tuple(opts), copies)
+        if key not in self._bus_memo:
+            self._bus_memo[key] = self._bus_bytes(p, blocks, opts, copies)
+        return self._bus_memo[key]
+
+    def _bus_bytes(self, p, blocks, opts, copies: bool) -> dict:
+        wl = self.problem.workload
+        total = {"dram": 0.0, "hbm": 0.0}
+        for b, o in zip(blocks, opts):
+            if o.hot is not None:
+                x = self.problem.experts[p][b.name]
+                part = {"hbm": x.route_work()[1] + x.hot_work(o.hot)[1], "dram": 0.0}
+                if o.hot < x.n_experts:
+                    rows = x.down_bytes(o.hot) + x.up_bytes(o.hot)
+                    part = {"hbm": part["hbm"] + x.merge_bytes(o.hot) + rows, "dram": x.cold_work(o.hot)[1] + rows}
+            else:
+                load = b.weight_bytes * o.s[PHASES.index(p)] if copies else 0.0
+                kv = wl.batch * wl.prompt_len * b.kv_bytes_per_token \
+                    if copies and p == "prefill" and o.k is not None else 0.0
+                part = bus_bytes(self.costs[p][b.name], o.g(p), o.k or 0, load, kv)
+            for x in total:
+                total[x] += part[x]
+        return total
 
     def gpu_bytes(self, block, o: BlockOption) -> float:
         """HBM bytes of ``block``'s weights and KV cache in option ``o``."""
@@ -153,13 +193,21 @@ class _Prices:
         return block.weight_bytes * o.r + (block.kv_bytes * o.k if o.k is not None else 0.0)
 
     def gap(self, p, prev, po: BlockOption, cur, co: BlockOption) -> float:
-        """Least time between the end of block ``prev`` and the start of ``cur`` (ms)."""
+        """Least time between the end of block ``prev`` and the start of ``cur`` (ms): the copy
+        of its input, or the wait for its load, which cannot outrun the buses it shares with
+        what runs beside it (``constraints.add_bus_windows``: the load's bytes, and at depth 2
+        block ``prev``'s, over each bus's capacity)."""
         first = self.costs[p][cur.name][0]
         copy = MS * copy_s(first, co.g(p) > 0, po.g(p) > 0)
-        load = MS * self.problem.load_s.get(cur.name, 0.0) * co.s[PHASES.index(p)]
+        streamed = co.s[PHASES.index(p)]
+        load = MS * self.problem.load_s.get(cur.name, 0.0) * streamed
+        window = [load]
+        if streamed:
+            beside = self.bus_bytes(p, (prev,), (po,), copies=False) if self.depth == 2 else {"dram": 0.0, "hbm": 0.0}
+            window += [MS * (cur.weight_bytes + beside[x]) / self.caps[x] for x in beside if x in self.caps]
         if self.depth == 2:
-            load -= self.duration(p, prev, po)
-        return max(copy, load)
+            return max(copy, max(window) - self.duration(p, prev, po))
+        return max(copy, max(window))
 
     def chain(self, p, blocks, opts) -> float:
         """Duration of consecutive ``blocks`` in options ``opts``, gaps between them included."""
@@ -215,7 +263,7 @@ class LayerModel:
         self.T = {}
         for p in PHASES:
             self.T[p] = pulp.LpVariable(f"T_{p}", lowBound=0)
-            prob += self.T[p] == pulp.lpSum(c[p] * v for v, c in arcs.values() if c[p]), f"makespan_{p}"
+            prob += self.T[p] >= pulp.lpSum(c[p] * v for v, c in arcs.values() if c[p]), f"makespan_{p}"
         # memory per tier
         def tier_bytes(blocks, opts, on_gpu):
             gpu = sum(prices.gpu_bytes(b, o) for b, o in zip(blocks, opts))
@@ -223,6 +271,7 @@ class LayerModel:
 
         first_e = {e: pulp.lpSum(out["E", e]) for e in range(len(self.first_opts))}
         last_h = {h: pulp.lpSum(into["H", h]) for h in range(len(self.last_opts))}
+        self._add_bus_bounds(prices, first, layer, last, out, into)
         used = pulp.LpVariable("gpu_used", cat="Binary")
         for on_gpu in (True, False):
             expr = pulp.lpSum(tier_bytes(layer, self.layer_opts[o], on_gpu) * v for o, v in self.n.items())
@@ -244,6 +293,30 @@ class LayerModel:
         self.weights = Weights(problem)
         prob += self.weights.weighted_ms(self.T), "objective_ms"
         self.n_cuts = 0
+
+    def _add_bus_bounds(self, prices, first, layer, last, out, into) -> None:
+        """``constraints.add_bus_bounds`` over the flow: the bytes of each layer option times
+        how many layers take it, plus the embedding's and the head's options taken:
+            T_p >= MS / C_x * (sum_o n_o bytes_opx + sum_e a_e bytes_epx + sum_h z_h bytes_hpx).
+        ``out``/``into``: node -> flow variables of the arcs leaving / entering it."""
+        caps = capacities(self.problem.hw)
+        for p in PHASES:
+            coef = {"dram": {}, "hbm": {}}  # bus -> flow variable -> bytes
+
+            def add(nbytes, variables):
+                for x in coef:
+                    if nbytes[x]:
+                        for v in variables:
+                            coef[x][v] = coef[x].get(v, 0.0) + nbytes[x]
+
+            for o, v in self.n.items():
+                add(prices.bus_bytes(p, layer, self.layer_opts[o]), [v])
+            for e, eo in enumerate(self.first_opts):
+                add(prices.bus_bytes(p, (first,), (eo,)), out["E", e])
+            for h, ho in enumerate(self.last_opts):
+                add(prices.bus_bytes(p, (last,), (ho,)), into["H", h])
+            add_bus_bounds(self.prob, self.T[p], {x: pulp.LpAffineExpression(list(c.items()))
+                                                  for x, c in coef.items()}, caps, p)
 
     def _enter_leave(self, o: int) -> tuple:
         """(A node, M node) of layer option ``o``."""

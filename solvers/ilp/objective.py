@@ -42,6 +42,30 @@ def duration_ms(costs, g, k, upto=None):
     return total
 
 
+def bus_bytes(costs, g, k, load_bytes=0.0, kv_down_bytes=0.0) -> dict:
+    """Bytes a block moves over each bus in one phase (``hetplan.buses``), for GPU indicator
+    ``g`` and KV indicator ``k`` (numbers or expressions):
+        dram = sum_st B_st (1 - d_st) + X (g - k) + L + K (g - k)
+        hbm  = sum_st B_st d_st       + X (g - k) + L + K (g - k)
+    with d_st = k for a stage beside the KV cache and g otherwise, B_st the stage's bytes, X the
+    inputs of its stages copied inside the block (attention on the GPU beside a DRAM cache),
+    L = ``load_bytes`` (its weights streamed in, a copy out of DRAM into HBM) and K =
+    ``kv_down_bytes`` (the prompt's KV copied to DRAM). Activation copies between blocks are
+    left out: the sum bounds the traffic from below."""
+    dram = hbm = 0
+    prev = None
+    for c in costs:
+        dev = k if c.stage.follows == "kv" else g
+        dram += c.stage.work.bytes * (1 - dev)
+        hbm += c.stage.work.bytes * dev
+        if prev is not None and prev.stage.follows != c.stage.follows:
+            dram += c.stage.in_bytes * (g - k)
+            hbm += c.stage.in_bytes * (g - k)
+        prev = c
+    both = load_bytes + kv_down_bytes * (g - k)
+    return {"dram": dram + both, "hbm": hbm + both}
+
+
 def copy_s(first_stage_cost, on_gpu: bool, prev_on_gpu: bool) -> float:
     """Copy time of a block's input when it runs on the GPU or not after a block that did or
     did not."""

@@ -1,4 +1,5 @@
-"""The placement MILPs: exact for the plan's task model, solved by HiGHS through PuLP.
+"""The placement MILPs: exact for the task chain at exclusive bandwidths, a lower bound once tasks
+share a bus (``hetplan.buses``), solved by HiGHS through PuLP.
 
 ``solve`` runs one MILP per configuration (staging depth, slot size): the count MILP of
 ``layers`` when the model's layers are all alike, else the per-block MILP below. For the
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import pulp
 
+from hetplan.buses import capacities
 from hetplan.errors import HetplanError
 from hetplan.graph import PHASES
 from hetplan.plan import Decision
@@ -25,8 +27,8 @@ from hetplan.solvers.ilp import constraints as C
 from hetplan.solvers.ilp.constraints import MODES
 from hetplan.solvers.ilp.experts import ExpertVars
 from hetplan.solvers.ilp.layers import LayerModel, layered
-from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, copy_s, duration_ms, highs_solver,
-                                           run_highs)
+from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, bus_bytes, copy_s, duration_ms,
+                                           highs_solver, run_highs)
 from hetplan.solvers.ilp.objective import gap as gap_of
 
 
@@ -194,6 +196,40 @@ class _Model:
             C.add_queue_order(prob, SK, EK, cores, "d2h", p)
             ends += [EK[cores[-1]]] if cores else []
         C.add_makespan(prob, self.T[p], ends, p)
+        caps, moved, kv_down = capacities(pr.hw), self._bus_bytes(p, costs), self._kv_down_bytes(p)
+        loaded = {n: pr.graph.block(n).weight_bytes * self.s[n, p] if (n, p) in self.s else 0 for n in names}
+        total = {x: pulp.lpSum(moved[n][x] + loaded[n] for n in names) + kv_down for x in ("dram", "hbm")}
+        C.add_bus_bounds(prob, self.T[p], total, caps, p)
+        window = {cur: {x: loaded[cur] + (moved[prev][x] if self.depth == 2 else 0) for x in ("dram", "hbm")}
+                  for prev, cur in pairs if cur in load}
+        C.add_bus_windows(prob, S, issue, window, caps, p)
+
+    def _bus_bytes(self, p, costs) -> dict:
+        """block -> bus -> bytes its stages move over the bus in phase p (its weight load and
+        the prompt's KV copies aside), affine in the placement (``objective.bus_bytes``; a
+        resident MoE block's expert split is left out, so these bound the traffic from below)."""
+        pr = self.problem
+        out = {}
+        for b in pr.blocks:
+            n, s = b.name, self.s.get((b.name, p), 0)
+            if n in self.xv.layers:
+                nbytes = costs[n][0].stage.work.bytes
+                part = {"dram": nbytes * (1 - self.r[n] - s), "hbm": nbytes * s}
+            else:
+                part = bus_bytes(costs[n], self.r[n] + s, self.k.get(n, 0))
+            out[n] = part
+        return out
+
+    def _kv_down_bytes(self, p):
+        """Bytes of the prompt's KV copied from HBM to DRAM in phase p (over both buses):
+        sum_b batch * P * kv_bytes_per_token * (g_b - k_b), for attention on the GPU beside a
+        DRAM cache."""
+        if p != "prefill":
+            return 0
+        wl = self.problem.workload
+        return pulp.lpSum(wl.batch * wl.prompt_len * b.kv_bytes_per_token
+                          * (self.r[b.name] + self.s.get((b.name, p), 0) - self.k[b.name])
+                          for b in self.problem.blocks if b.name in self.k and self.has_core[b.name])
 
     @staticmethod
     def _copy_s(first_stage_cost, m, n_):
@@ -281,9 +317,10 @@ def configurations(problem: Problem, depths, by_slot: bool) -> list:
 
 def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
                   cutoff_s: float | None) -> IlpResult | None:
-    """The count MILP of one configuration (``layers``), or None when the plan it finds
-    replays slower than the MILP's value (the prompt's KV copies, which it leaves out, end after
-    the chain): the per-block MILP must then decide this configuration."""
+    """The count MILP of one configuration (``layers``), or None when the plan it finds, timed
+    with every task at its nominal duration (the timeline both MILPs' chains model), takes
+    longer than the MILP's value (the prompt's KV copies, which it leaves out, end after the
+    chain): the per-block MILP must then decide this configuration."""
     from hetplan.evaluate import objective_s, predictions
     from hetplan.schedule import build_schedule
 
@@ -291,7 +328,7 @@ def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
     dec, status, obj, bound, secs, size = model.result(*model.solve(opts, cutoff_ms))
     if dec is None:
         return IlpResult(None, status, float("inf"), float("inf"), bound, secs, *size)
-    replayed = objective_s(problem, predictions(problem, build_schedule(problem, dec)))
+    replayed = objective_s(problem, predictions(problem, build_schedule(problem, dec, shared_buses=False)))
     if replayed > obj * (1 + 1e-9) + 1e-12:
         return None
     return IlpResult(dec, status, gap_of(obj, bound), obj, bound, secs, *size)

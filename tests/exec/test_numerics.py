@@ -27,7 +27,10 @@ from tests.tiny_models import TINY_GPU_NODE
 PROMPT_LEN, GEN_LEN, TOL = 8, 32, 1e-4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gpt2")
 
-GPU_NODE = TINY_GPU_NODE
+GPU_NODE = TINY_GPU_NODE.replace("mem_bandwidth: 0.2GB/s", "mem_bandwidth: 20GB/s")
+"""The tiny node with a DRAM fast enough to feed its link: streaming out of DRAM (which shares
+the DRAM bus with the CPU, ``hetplan.buses``) then pays beside the slow CPU, so the ILP's plans
+mix streaming, CPU compute and KV in DRAM."""
 CPU_NODE = """
 name: tiny-cpu-node
 cpu: {name: cpu, cores: 2, memory: 4GiB, mem_bandwidth: 10GB/s, flops: {fp32: 100GFLOPS}}
