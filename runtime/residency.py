@@ -2,7 +2,7 @@
 
 Each block's tensors are copied, one at a time and straight from the source (a memory-mapped
 checkpoint, or random values), into one flat buffer of the block's tier (exactly the block's
-weight bytes); the block computes with views into it, including one view over each group of
+weight bytes), and the source lets each tensor's mapped pages go once copied (``release``); the block computes with views into it, including one view over each group of
 projections the backend fuses (``fused()``: parts laid back to back). So the process holds one
 copy of the weights, in anonymous memory (decode on the CPU reads it faster than file-backed
 pages).
@@ -221,9 +221,12 @@ class Residency:
             w = source.view(t, None)
             w = w.t() if local.endswith("_t") else w
             flat[off:off + n].copy_(quant.quantise(self.fmt, w.to(flat.device)))
+            del w
+            source.release(t)   # quantised tensor by tensor: the checkpoint's pages go as they are read
         raw = flat[layout.raw_offset:].view(layout.raw_dtype)
         for (local, off, shape), t in zip(layout.raw, others):
             raw[off:off + numel(shape)].view(shape).copy_(source.view(t, None))
+            source.release(t)
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, layout,
                             PackedView(self.fmt, flat, layout, self.buffers.get(tier), self.fused))
 
