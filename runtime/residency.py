@@ -112,6 +112,22 @@ def _check_experts(plan: Plan, p: dict) -> None:
                                f"the block; recompile the plan with `hetplan compile`")
 
 
+def pinned_need_bytes(plan: Plan) -> int:
+    """Host bytes a CUDA run page-locks for its copies, from the plan: the weights of every block
+    streamed in some phase (a split block's cold experts), and the KV caches a prefill on the GPU
+    copies down (``kv_down``), each rounded to whole pages as registered."""
+    from hetplan.runtime.devices import page_round
+    kv_down = {t.block for t in plan.schedule["prefill"].tasks if t.kind == "kv_down"}
+    need = 0
+    for p in plan.placement:
+        if any(p["exec"][ph] == "stream" for ph in PHASES):
+            cold = p.get("cold_expert_bytes") if p["weights"] == "gpu" else None
+            need += page_round(int(cold if cold else p["weight_bytes"]))
+        if p["block"] in kv_down:
+            need += page_round(int(p["kv_bytes"]))
+    return need
+
+
 def cold_experts(p: dict, n_experts: int) -> frozenset:
     """The routed experts of placement entry ``p`` kept in DRAM beside its GPU-resident weights;
     empty unless ``p`` is a split MoE block."""
