@@ -12,8 +12,10 @@ connect them (``hetplan.schedule``). This module adds what the executor needs to
   (``kv_names``: ``k``/``v``, or MLA's ``latent``/``k_rope``);
 - every value counts its readers, so it can be freed after the last one.
 
-A schedule in which a stage would read a value that no task put on its device is refused. Pure
-Python over the plan's tasks: no torch, no devices.
+A schedule in which a stage would read a value that no task put on its device is refused, and so
+is one whose edges and queue order do not make every reader of a staging slot finish before the
+next load into that slot starts (``_check_slot_reuse``). Pure Python over the plan's tasks: no
+torch, no devices.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def build_program(phase: str, schedule: PhaseSchedule, reads, writes, kv_names=(
                                f"exist; recompile the plan")
         deps[index[dst]].append(index[src])
     _check_acyclic(phase, tasks, deps)
+    _check_slot_reuse(phase, tasks, deps)
     ops = tuple(Op(i, t, _device(t), op_reads[i], op_writes[i], tuple(deps[i])) for i, t in enumerate(tasks))
     readers = {}
     for op in ops:
@@ -147,6 +150,38 @@ def _check_acyclic(phase: str, tasks, deps: dict) -> None:
     if seen != len(tasks):
         raise HetplanError(f"plan schedule {phase}: the tasks' queue order and edges form a cycle; "
                            f"recompile the plan")
+
+
+def _check_slot_reuse(phase: str, tasks, deps: dict) -> None:
+    """The executor orders two tasks only by an edge or by their lane's queue, so for consecutive
+    loads L1, L2 into slot s, every op of L1's block that reads s must be an ancestor of L2 in
+    deps + queue order; otherwise L2 may copy over weights a stage is still computing with."""
+    before = {i: list(d) for i, d in deps.items()}
+    last = {}
+    for i, t in enumerate(tasks):
+        if t.resource in last:
+            before[i].append(last[t.resource])
+        last[t.resource] = i
+    previous = {}
+    for i, t in enumerate(tasks):
+        if t.kind != "load":
+            continue
+        earlier, previous[t.slot] = previous.get(t.slot), i
+        if earlier is None:
+            continue
+        block = tasks[earlier].block
+        readers = [j for j, r in enumerate(tasks) if r.block == block and r.slot == t.slot and r.kind != "load"]
+        ancestors, stack = set(), [i]
+        while stack:
+            for j in before[stack.pop()]:
+                if j not in ancestors:
+                    ancestors.add(j)
+                    stack.append(j)
+        for j in readers:
+            if j not in ancestors:
+                raise HetplanError(f"plan schedule {phase}: {t.id} may overwrite staging slot {t.slot} while "
+                                   f"{tasks[j].id} still reads it (no edge orders {tasks[j].id} before "
+                                   f"{t.id}); recompile the plan")
 
 
 def _device(t: Task) -> str:

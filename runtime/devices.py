@@ -2,15 +2,24 @@
 
 ``Devices`` answers where a tier's tensors go (``gpu``: ``cuda:0``, or a CPU device standing in
 for it; ``cpu``: host memory, pinned when a real GPU copies it asynchronously), which CUDA stream
-serves each copy/compute resource, and how many bytes each tier holds. The emulated GPU has a
-hard budget: every tensor the runtime places on it is counted, and one byte over raises a
-HetplanError naming the bytes. Also the free-memory check a run makes before loading anything.
+serves each copy/compute resource, and how many bytes each tier holds. The GPU has a hard
+budget: on the emulated one every tensor the runtime places is counted, and one byte over raises
+a HetplanError naming the bytes; on a CUDA GPU the caching allocator is capped at the plan's
+budget (``set_per_process_memory_fraction``) and peaks are read back as allocated and reserved.
+
+Pinned host memory is plain anonymous memory page-locked where it lies (``PinnedHost``:
+``cudaHostRegister``), never ``pin_memory=True``: torch's caching host allocator rounds each such
+allocation up to a power of two (a 49 GiB plan would lock 73 GiB), while a registered buffer
+locks its bytes rounded to a page, and those are the bytes counted. Activations crossing PCIe
+go through pinned buffers made once per copy and value and reused every step (``to_tier``).
+Also the free-memory checks a run makes before loading anything.
 
 Knows nothing about models or schedules.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from pathlib import Path
 
@@ -49,6 +58,67 @@ class Ledger:
             self.used_bytes -= nbytes
 
 
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def page_round(nbytes: int) -> int:
+    """Bytes a registration of ``nbytes`` locks: whole pages, ceil(nbytes / page) * page."""
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+class PinnedHost:
+    """Page-locked host buffers made of plain anonymous memory (``mmap``, page-aligned), each
+    registered with the GPU driver by ``register(ptr, nbytes) -> error code`` (0 = success) and
+    released by ``unregister(ptr)``; ``pinned_bytes`` is what is locked: the sum of
+    ``page_round`` over the buffers."""
+
+    def __init__(self, register, unregister):
+        self._register, self._unregister = register, unregister
+        self._live = []      # (ptr, mmap) of every registered buffer
+        self.pinned_bytes = 0
+
+    def empty(self, nbytes: int, what: str) -> torch.Tensor:
+        """A uint8 [nbytes] tensor over fresh page-locked memory."""
+        size = page_round(max(1, nbytes))
+        buf = mmap.mmap(-1, size)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        err = self._register(flat.data_ptr(), size)
+        if err != 0:
+            raise HetplanError(f"cannot page-lock {format_bytes(size)} of host memory for {what} (driver error "
+                               f"{err}) with {format_bytes(self.pinned_bytes)} already locked: the machine does "
+                               f"not have enough free pinned memory; close other programs or recompile with a "
+                               f"smaller --cpu-mem")
+        self._live.append((flat.data_ptr(), buf))
+        self.pinned_bytes += size
+        return flat[:nbytes]
+
+    def close(self) -> None:
+        """Unregister every buffer (the tensors stay valid as plain memory while referenced)."""
+        for ptr, _ in self._live:
+            self._unregister(ptr)
+        self._live.clear()
+
+
+def check_pinned_memory(need_bytes: int, available_bytes: int) -> None:
+    """Refuse a run whose pinned host memory (streamed weights, KV caches the GPU copies into)
+    is more than the host has available: locked pages cannot be swapped or reclaimed."""
+    if need_bytes > available_bytes:
+        raise HetplanError(f"the plan pins {format_bytes(need_bytes)} of host memory (streamed weights and KV "
+                           f"copied by the GPU) but only {format_bytes(available_bytes)} is available now: the "
+                           f"machine does not have enough free pinned memory; close other programs or recompile "
+                           f"with --cpu-mem {format_bytes(available_bytes)}")
+
+
+def memory_fraction(budget_bytes: float, total_bytes: int) -> float:
+    """The fraction of the GPU the caching allocator may reserve: budget / total, at most 1."""
+    return min(1.0, max(0.0, budget_bytes / total_bytes))
+
+
+def _cuda_host_register():
+    rt = torch.cuda.cudart()
+    return (lambda ptr, n: int(rt.cudaHostRegister(ptr, n, 0)), lambda ptr: rt.cudaHostUnregister(ptr))
+
+
 class Devices:
     """Where tiers live and which queue serves each resource.
 
@@ -66,7 +136,13 @@ class Devices:
                                       emulated=mode == "emulated"),
                         "cpu": Ledger("cpu", None)}
         self.streams = {}
+        self.pinned = PinnedHost(*_cuda_host_register()) if mode == "cuda" else None
+        self._act_buffers = {}   # (key, dtype) -> pinned buffer for activations crossing PCIe
+        self.act_pinned_bytes = 0
         if mode == "cuda":
+            if gpu_budget_bytes is not None:
+                total = torch.cuda.get_device_properties(self.gpu).total_memory
+                torch.cuda.set_per_process_memory_fraction(memory_fraction(gpu_budget_bytes, total), self.gpu)
             # Activation copies are small and on the critical path: the highest priority
             # (priority_range() is (least, greatest)).
             torch.cuda.reset_peak_memory_stats(self.gpu)
@@ -95,34 +171,68 @@ class Devices:
             charged_bytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         self.ledgers[tier].reserve(charged_bytes, what)
         if tier == "cpu" and pinned and self.cuda:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            return self.pinned.empty(n, what).view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, device=self.device(tier))
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked: registered buffers plus activation buffers (the latter made by
+        torch's caching host allocator, counted rounded up to a power of two as it locks them)."""
+        return (self.pinned.pinned_bytes if self.pinned else 0) + self.act_pinned_bytes
+
+    def _act_buffer(self, key, t: torch.Tensor) -> torch.Tensor:
+        """The pinned host buffer of activation copy ``key``, made on first use and reused by every
+        later step (grown if a later value is larger), viewed as ``t``'s shape."""
+        n = t.numel()
+        buf = self._act_buffers.get((key, t.dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=t.dtype, pin_memory=True)
+            self.act_pinned_bytes += _pow2(n * t.element_size())
+            self._act_buffers[key, t.dtype] = buf
+        return buf[:n].view(t.shape)
 
     def count(self, tier: str, t: torch.Tensor, what: str) -> None:
         """Count a tensor placed in ``tier`` without allocating (e.g. a memory-mapped view)."""
         self.ledgers[tier].reserve(t.numel() * t.element_size(), what)
 
-    def to_tier(self, t: torch.Tensor, tier: str) -> torch.Tensor:
+    def to_tier(self, t: torch.Tensor, tier: str, key=None) -> torch.Tensor:
         """A copy of ``t`` in ``tier``, in a storage of its own; on CUDA issued on the current
-        stream without blocking the host (through pinned memory on the way up)."""
+        stream without blocking the host, through copy ``key``'s pinned buffer (reused every step:
+        the executor synchronises between steps, and within one a key is written once)."""
         if not self.cuda:
             return t.clone(memory_format=torch.contiguous_format)
         if tier == "gpu":
             if t.device.type == "cpu" and not t.is_pinned():
-                t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+                t = self._act_buffer(key, t).copy_(t)
             return t.to(self.gpu, non_blocking=True)
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out = self._act_buffer(key, t)
         out.copy_(t, non_blocking=True)
         return out
 
     def peak_bytes(self) -> dict:
-        """Peak bytes per tier: the CUDA allocator's peak on a real GPU, else the ledger's."""
-        gpu = torch.cuda.max_memory_allocated(self.gpu) if self.cuda else self.ledgers["gpu"].peak_bytes
-        return {"gpu": int(gpu), "cpu": int(self.ledgers["cpu"].peak_bytes)}
+        """Peak bytes per tier: on a real GPU the caching allocator's peak allocated bytes
+        (``gpu``) and peak reserved bytes (``gpu_reserved``: what the process held from the
+        driver), else the ledger's."""
+        if self.cuda:
+            return {"gpu": int(torch.cuda.max_memory_allocated(self.gpu)),
+                    "gpu_reserved": int(torch.cuda.max_memory_reserved(self.gpu)),
+                    "cpu": int(self.ledgers["cpu"].peak_bytes)}
+        return {"gpu": int(self.ledgers["gpu"].peak_bytes), "cpu": int(self.ledgers["cpu"].peak_bytes)}
 
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.gpu)
+
+    def close(self) -> None:
+        """Unregister the pinned buffers (after the last copy: the caller synchronised)."""
+        if self.pinned:
+            self.pinned.close()
+
+
+def _pow2(n: int) -> int:
+    """The power of two torch's caching host allocator rounds an allocation of n bytes up to."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _numel(shape: tuple) -> int:

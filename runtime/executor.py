@@ -2,9 +2,11 @@
 
 Each resource (``gpu``, ``cpu``, ``h2d``, ``d2h``, ``h2d_act``, ``d2h_act``) is a lane that runs
 its tasks in the plan's order. A lane is served by a host thread: the calling thread serves the
-``cpu`` lane (the ``gpu`` lane when a phase has no CPU task) with all of torch's intra-op threads,
-persistent worker threads serve the others with one each (they issue CUDA work or copy; an
-emulated GPU beside a CPU lane would otherwise fight it for the same cores).
+``cpu`` lane (the ``gpu`` lane when a phase has no CPU task), persistent worker threads serve the
+others with one intra-op thread each (they issue CUDA work or copy). The home lane's intra-op
+threads are chosen for the lanes that run in the phase (``home_lane_threads``): all of them when
+it runs alone, one core fewer when other lanes run beside it (their launches or, emulated, their
+compute take about one core), so the lanes do not fight over the same cores.
 
 - On a real GPU the CUDA lanes *issue* work on their own stream without blocking: a dependency on
   another stream is a ``wait_event`` on the producer's CUDA event, a dependency on the CPU lane
@@ -55,6 +57,8 @@ class _Run:
         self.error = None
         self.timings = {}
         self.t0 = time.perf_counter()
+        self.marks, self.marks_done = {}, 0
+        """op index -> layer whose last stage it is, when progress is reported; layers done."""
 
     def put(self, key, tensor: torch.Tensor, device: str, what: str) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -87,12 +91,41 @@ class _Run:
         self.store.clear()
 
 
+def home_lane_threads(cores: int, lanes, home: str) -> int:
+    """Intra-op threads for the home lane of a phase whose program has ``lanes``: every core when
+    it runs alone; ``cores - 1`` (at least 1) when other lanes run beside it. The worker lanes
+    each compute with one thread (an emulated GPU) or only launch and copy (a CUDA GPU), and
+    share one interpreter lock: together about one core."""
+    others = [lane for lane in lanes if lane != home]
+    return max(1, cores - 1) if others else max(1, cores)
+
+
+def _last_stage_of_each_layer(program: Program, blocks) -> dict:
+    """op index -> layer, for the last compute op of every layer in ``program`` (the points a
+    long prefill reports progress at)."""
+    last = {}
+    for op in program.ops:
+        if op.task.kind not in ("act_up", "act_down", "load", "kv_down") and op.task.block in blocks:
+            layer = blocks[op.task.block].layer
+            if layer is not None:
+                last[layer] = op.index
+    return {i: key for key, i in last.items()}
+
+
 class Executor:
     """Runs programs (one per phase) against placed weights and caches."""
 
-    def __init__(self, programs: dict, backend, residency, devices: Devices, trace: bool = False):
+    def __init__(self, programs: dict, backend, residency, devices: Devices, trace: bool = False,
+                 progress=None, cores: int | None = None):
+        """``progress(phase, done, total)``: called from the lanes as each layer's last stage of
+        a prefill ends. ``cores``: the host cores the lanes share (default: torch's intra-op
+        threads when the executor is made)."""
         self.programs, self.backend, self.residency, self.devices = programs, backend, residency, devices
         self.trace = trace
+        self.progress = progress
+        self._caller_threads = torch.get_num_threads()
+        self.cores = cores or self._caller_threads
+        self.layer_marks = {ph: _last_stage_of_each_layer(prog, residency.blocks) for ph, prog in programs.items()}
         self.weights = {ph: {op.index: residency.weights(op.task.block, op.device, op.task.slot)
                              for op in prog.ops if op.task.kind in backend.kinds}
                         for ph, prog in programs.items()}
@@ -115,6 +148,8 @@ class Executor:
         (outputs on their devices, [Timing] when tracing)."""
         prog = self.programs[phase]
         run = _Run(prog, step, self.devices, self.trace)
+        if self.progress and phase == "prefill":
+            run.marks, run.marks_done = self.layer_marks[phase], 0
         for name, t in inputs.items():
             run.put((INPUT, name), t, prog.inputs[name], f"input {name}")
         if self.devices.cuda:  # inputs (and first-run weights) were copied on the default stream
@@ -131,6 +166,9 @@ class Executor:
                 ev = threading.Event()
                 self._worker(lane).put((run, lane, ev))
                 finished.append(ev)
+        want = home_lane_threads(self.cores, prog.lanes, self.home[phase])
+        if torch.get_num_threads() != want:  # the caller's count comes back on close()
+            torch.set_num_threads(want)
         try:
             self._lane(run, self.home[phase])
         except BaseException as e:  # noqa: BLE001 - handed to the other lanes, re-raised below
@@ -177,6 +215,8 @@ class Executor:
                 if run.trace:
                     run.timings[i] = (start - run.t0, time.perf_counter() - run.t0)
             run.done[i].set()
+            if i in run.marks:
+                self._report(run)
 
     def _execute(self, run: _Run, op, stream) -> None:
         task, prog = op.task, run.program
@@ -189,7 +229,7 @@ class Executor:
         kind = task.kind
         if kind in ("act_up", "act_down"):
             for (src, name) in op.reads:
-                run.put((op.index, name), self.devices.to_tier(inputs[src, name], op.device),
+                run.put((op.index, name), self.devices.to_tier(inputs[src, name], op.device, (prog.phase, op.index, name)),
                         op.device, f"{name} copied by {task.id}")
         elif kind == "load":
             self.residency.load(task.block, task.slot)
@@ -212,6 +252,12 @@ class Executor:
         del inputs
         for key in op.reads:
             run.release(key)
+
+    def _report(self, run: _Run) -> None:
+        with run.lock:
+            run.marks_done += 1
+            done = run.marks_done
+        self.progress(run.program.phase, done, len(run.marks))
 
     def _timings(self, run: _Run, phase: str, t0_event) -> list:
         out = []
@@ -248,6 +294,7 @@ class Executor:
                 finished.set()
 
     def close(self) -> None:
+        torch.set_num_threads(self._caller_threads)
         for jobs, th in self._threads.values():
             jobs.put(None)
             th.join()

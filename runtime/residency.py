@@ -2,7 +2,7 @@
 
 Each block's tensors are copied, one at a time and straight from the source (a memory-mapped
 checkpoint, or random values), into one flat buffer of the block's tier (exactly the block's
-weight bytes); the block computes with views into it, including one view over each group of
+weight bytes), and the source lets each tensor's mapped pages go once copied (``release``); the block computes with views into it, including one view over each group of
 projections the backend fuses (``fused()``: parts laid back to back). So the process holds one
 copy of the weights, in anonymous memory (decode on the CPU reads it faster than file-backed
 pages).
@@ -110,6 +110,22 @@ def _check_experts(plan: Plan, p: dict) -> None:
             raise HetplanError(f"plan placement of block {p['block']}: {n_e - len(hot)} experts in DRAM, "
                                f"but the {phase} schedule {'has a' if split else 'has no'} moe_cold task for "
                                f"the block; recompile the plan with `hetplan compile`")
+
+
+def pinned_need_bytes(plan: Plan) -> int:
+    """Host bytes a CUDA run page-locks for its copies, from the plan: the weights of every block
+    streamed in some phase (a split block's cold experts), and the KV caches a prefill on the GPU
+    copies down (``kv_down``), each rounded to whole pages as registered."""
+    from hetplan.runtime.devices import page_round
+    kv_down = {t.block for t in plan.schedule["prefill"].tasks if t.kind == "kv_down"}
+    need = 0
+    for p in plan.placement:
+        if any(p["exec"][ph] == "stream" for ph in PHASES):
+            cold = p.get("cold_expert_bytes") if p["weights"] == "gpu" else None
+            need += page_round(int(cold if cold else p["weight_bytes"]))
+        if p["block"] in kv_down:
+            need += page_round(int(p["kv_bytes"]))
+    return need
 
 
 def cold_experts(p: dict, n_experts: int) -> frozenset:
@@ -221,9 +237,12 @@ class Residency:
             w = source.view(t, None)
             w = w.t() if local.endswith("_t") else w
             flat[off:off + n].copy_(quant.quantise(self.fmt, w.to(flat.device)))
+            del w
+            source.release(t)   # quantised tensor by tensor: the checkpoint's pages go as they are read
         raw = flat[layout.raw_offset:].view(layout.raw_dtype)
         for (local, off, shape), t in zip(layout.raw, others):
             raw[off:off + numel(shape)].view(shape).copy_(source.view(t, None))
+            source.release(t)
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, layout,
                             PackedView(self.fmt, flat, layout, self.buffers.get(tier), self.fused))
 

@@ -9,6 +9,12 @@ decode program once per further token (``Executor``), sampling after each. A pla
 dtype stores caches packed per token row (``hetplan.runtime.kv_cache``). TTFT is prefill to the
 first sampled token; TPOT the mean decode step; both sit next to the plan's predictions.
 
+TTFT is measured warm: the first prefill (and one decode step) run untimed as a warm-up (cuBLAS
+start-up, lazy module loading, first-touch of buffers), its time kept as ``cold_ttft_s``; the
+timed prefill then rewrites the same cache positions with the same values. On an emulated GPU
+the measured times are the CPU's, not the plan's GPU's: the run is marked not comparable and no
+relative error is given.
+
 Knows nothing about the command line; progress goes to an optional callback.
 """
 
@@ -27,10 +33,10 @@ from hetplan.runtime import kv_cache
 from hetplan.runtime.kernels import quant
 from hetplan.runtime.backend import Step, backend_for
 from hetplan.runtime.dataflow import TRANSFERS, build_program
-from hetplan.runtime.devices import Devices, check_free_memory, host_available_bytes
+from hetplan.runtime.devices import Devices, check_free_memory, check_pinned_memory, host_available_bytes
 from hetplan.runtime.executor import Executor
 from hetplan.runtime.prompt import resolve_prompt, sample
-from hetplan.runtime.residency import Residency
+from hetplan.runtime.residency import Residency, pinned_need_bytes
 from hetplan.runtime.trace import load_bytes_per_s, measured_tasks, trace
 from hetplan.runtime.weights import torch_dtype, weight_source
 
@@ -60,6 +66,9 @@ class RunOptions:
     """Keep every step's logits (on the CPU) in ``RunResult.logits``."""
     record_routing: bool = False
     """Count the experts every MoE layer chooses (``RunResult.routing``); MoE models only."""
+    warmup: bool = True
+    """Run the prefill (and one decode step) once untimed before the timed run; False: TTFT is
+    the cold one."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +81,11 @@ class RunResult:
     measured: dict
     predicted: dict
     relative_error: dict
-    """(measured - predicted) / predicted per metric."""
+    """(measured - predicted) / predicted per metric; None for every metric when not
+    ``comparable``."""
     peak_bytes: dict
-    """Tier -> measured peak bytes (the CUDA allocator's on a real GPU; counted placements and
-    activations otherwise)."""
+    """Tier -> measured peak bytes (the CUDA allocator's peak allocated bytes on a real GPU, and
+    ``gpu_reserved``, its peak reserved bytes; counted placements and activations otherwise)."""
     planned_bytes: dict
     host_rss_bytes: int
     h2d_bytes_per_s: float | None = None
@@ -85,13 +95,21 @@ class RunResult:
     logits: list | None = field(default=None, repr=False)
     trace: dict | None = field(default=None, repr=False)
     routing: RoutingStats | None = field(default=None, repr=False)
-    """Routing frequencies of every token the run put through the model (``record_routing``)."""
+    """Routing frequencies of every token the timed run put through the model (``record_routing``)."""
+    pinned_bytes: int = 0
+    """Host bytes actually page-locked for the GPU's copies (0 without a CUDA GPU)."""
+
+    @property
+    def comparable(self) -> bool:
+        """Whether measured times can be held against the plan's: not on an emulated GPU."""
+        return self.mode != "emulated"
 
     def to_json_dict(self) -> dict:
         return {"tokens": self.tokens, "text": self.text, "mode": self.mode, "measured": self.measured,
                 "predicted": self.predicted, "relative_error": self.relative_error,
-                "peak_bytes": self.peak_bytes, "planned_bytes": self.planned_bytes,
-                "host_rss_bytes": self.host_rss_bytes, "h2d_bytes_per_s": self.h2d_bytes_per_s}
+                "comparable": self.comparable, "peak_bytes": self.peak_bytes, "planned_bytes": self.planned_bytes,
+                "pinned_bytes": self.pinned_bytes, "host_rss_bytes": self.host_rss_bytes,
+                "h2d_bytes_per_s": self.h2d_bytes_per_s}
 
 
 def choose_mode(plan: Plan, emulate: bool | None) -> str:
@@ -127,6 +145,8 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     mode = choose_mode(plan, opts.emulate)
     free_gpu = torch.cuda.mem_get_info()[0] if mode == "cuda" else None
     check_free_memory(plan.memory, mode, free_gpu, host_available_bytes())
+    if mode == "cuda":
+        check_pinned_memory(pinned_need_bytes(plan), host_available_bytes())
     # A backend that brings its own weights (an ONNX graph's initializers) reads no checkpoint.
     source = backend.own_weights() if hasattr(backend, "own_weights") else weight_source(opts.weights, opts.seed)
     ids, tokenizer = resolve_prompt(opts, source, spec, wl)
@@ -150,15 +170,29 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     kv_names = tuple(backend.kv_shapes(1, 1))
     programs = {ph: build_program(ph, plan.schedule[ph], backend.reads, backend.writes, kv_names)
                 for ph in ("prefill", "decode")}
-    with torch.inference_mode(), Executor(programs, backend, residency, devices, opts.trace) as ex:
-        run = _generate(ex, programs, devices, ids, gen_len, opts, progress)
+    def after_warmup():  # the timed run's routing only
+        if opts.record_routing:
+            from hetplan.runtime.models.moe.layer import RoutingRecorder
+            backend.recorder = RoutingRecorder(spec)
+
+    try:
+        with torch.inference_mode(), Executor(programs, backend, residency, devices, opts.trace,
+                                              progress=progress) as ex:
+            run = _generate(ex, programs, devices, ids, gen_len, opts, progress, after_warmup)
+    except torch.cuda.OutOfMemoryError:
+        raise HetplanError(f"GPU memory budget exceeded: the run needed more than the plan's budget of "
+                           f"{plan.memory['gpu_budget_bytes'] / 2**30:.2f} GiB (the allocator is capped at it); "
+                           f"the plan does not fit the GPU it was compiled for: recompile it") from None
+    finally:
+        devices.close()
 
     batch = ids.shape[0]
     tpot_s = sum(run.step_s) / len(run.step_s) if run.step_s else None
-    measured = {"ttft_s": run.ttft_s, "tpot_s": tpot_s, "decode_tokens_per_s": batch / tpot_s if tpot_s else None}
+    measured = {"ttft_s": run.ttft_s, "cold_ttft_s": run.cold_ttft_s, "tpot_s": tpot_s,
+                "decode_tokens_per_s": batch / tpot_s if tpot_s else None}
     predicted = {k: plan.predicted[k] for k in METRICS}
-    rel = {k: (measured[k] - predicted[k]) / predicted[k] if measured[k] is not None and predicted[k] else None
-           for k in METRICS}
+    rel = {k: (measured[k] - predicted[k]) / predicted[k]
+           if mode != "emulated" and measured[k] is not None and predicted[k] else None for k in METRICS}
     return RunResult(
         tokens=run.tokens, text=[tokenizer.decode(t) for t in run.tokens] if tokenizer else None, mode=mode,
         measured=measured, predicted=predicted, relative_error=rel, peak_bytes=devices.peak_bytes(),
@@ -166,13 +200,14 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
         host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         h2d_bytes_per_s=load_bytes_per_s(run.tasks["decode"]) if opts.trace else None, step_s=tuple(run.step_s),
         logits=run.logits or None, trace=trace(plan, run.tasks) if opts.trace else None,
-        routing=backend.recorder.stats() if opts.record_routing else None)
+        routing=backend.recorder.stats() if opts.record_routing else None, pinned_bytes=devices.pinned_bytes)
 
 
 @dataclass(frozen=True)
 class _Generation:
     tokens: list
     ttft_s: float
+    cold_ttft_s: float
     step_s: list
     logits: list
     tasks: dict
@@ -180,24 +215,34 @@ class _Generation:
 
 
 def _generate(ex: Executor, programs: dict, devices: Devices, ids: torch.Tensor, gen_len: int, opts: RunOptions,
-              progress) -> _Generation:
-    """Prefill once, then one decode step per further token, sampling after each."""
+              progress, after_warmup) -> _Generation:
+    """Warm up (``opts.warmup``: the prefill and one decode step, untimed, the prefill's time
+    kept as the cold TTFT), then prefill, then one decode step per further token, sampling after
+    each."""
     batch, prompt_len = ids.shape
-    gen = torch.Generator().manual_seed(opts.seed)
     step_s, kept, tasks = [], [], {"prefill": [], "decode": []}
 
     def forward(phase, start, new_ids):
         dev = devices.device(programs[phase].inputs["ids"])
         step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill")
         values, timings = ex.run(phase, step, {"ids": new_ids.to(dev)})
-        return values["logits"].float().cpu(), timings
+        return values["logits"].to(device="cpu", dtype=torch.float32, copy=True), timings
 
-    if progress:
-        progress("prefill", 0, 1)
-    t0 = time.perf_counter()
-    logits, timings = forward("prefill", 0, ids)
-    tok = sample(logits[:, -1] if logits.dim() == 3 else logits, opts.temperature, gen)
-    ttft_s = time.perf_counter() - t0
+    def first_token(gen):
+        t0 = time.perf_counter()
+        logits, timings = forward("prefill", 0, ids)
+        tok = sample(logits[:, -1] if logits.dim() == 3 else logits, opts.temperature, gen)
+        return logits, timings, tok, time.perf_counter() - t0
+
+    gen = torch.Generator().manual_seed(opts.seed)
+    logits, timings, tok, cold_ttft_s = first_token(gen)
+    ttft_s = cold_ttft_s
+    if opts.warmup:
+        if gen_len > 1:   # writes position prompt_len, which the timed first decode step rewrites
+            forward("decode", prompt_len, tok[:, None])
+        after_warmup()
+        gen = torch.Generator().manual_seed(opts.seed)
+        logits, timings, tok, ttft_s = first_token(gen)
     tasks["prefill"] = measured_tasks(programs["prefill"], timings, 0.0)
     tokens = [tok]
     if opts.keep_logits or opts.all_logits:
@@ -216,5 +261,6 @@ def _generate(ex: Executor, programs: dict, devices: Devices, ids: torch.Tensor,
             kept.append(logits)
     if progress:
         progress("decode", gen_len, gen_len)
-    return _Generation(tokens=torch.stack(tokens, dim=1).tolist(), ttft_s=ttft_s, step_s=step_s, logits=kept,
+    return _Generation(tokens=torch.stack(tokens, dim=1).tolist(), ttft_s=ttft_s, cold_ttft_s=cold_ttft_s,
+                       step_s=step_s, logits=kept,
                        tasks=tasks)

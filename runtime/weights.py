@@ -3,7 +3,9 @@
 A ``Checkpoint`` parses the headers of a directory's ``*.safetensors`` files (through
 ``model.safetensors.index.json`` when there is one) and memory-maps each file once: ``view(name)``
 is a zero-copy CPU tensor over the file's pages, so a tensor is read from disk only when its tier
-copies it, and ``close`` unmaps the files afterwards: the process never holds a second full copy.
+copies it; ``release(name)`` then drops that tensor's pages from the process (they stay in the
+page cache), so while placing, the process holds the placed weights plus at most one tensor's
+mapped pages, never a second full copy; ``close`` unmaps the files afterwards.
 ``RandomWeights`` makes the same tensors from a seed: every value depends on the seed and the
 tensor's checkpoint name only, never on where the plan puts it.
 
@@ -120,8 +122,44 @@ class Checkpoint:
         # Through a memoryview: while the tensor lives the mapping cannot be closed under it.
         return torch.frombuffer(memoryview(self._maps[f])[offset:offset + nbytes], dtype=dtype).view(shape)
 
+    FILL_CHUNK_BYTES = 8 << 20
+    """Bytes copied out of the mapping before its pages are let go: the most a ``fill`` holds
+    resident beside the placed copy."""
+
     def fill(self, expected: TensorSpec, out: torch.Tensor) -> None:
-        out.copy_(self.view(expected, out.dtype))
+        """Copy the tensor into ``out`` (a contiguous CPU destination: ``FILL_CHUNK_BYTES`` at a
+        time, each chunk's mapped pages let go once copied), then ``release`` the whole tensor."""
+        src = self.view(expected, out.dtype)
+        if out.device.type != "cpu" or not out.is_contiguous():
+            out.copy_(src)
+        else:
+            dst, flat = out.view(-1), src.reshape(-1)
+            step = max(1, self.FILL_CHUNK_BYTES // max(1, src.element_size()))
+            _, _, _, offset, _ = self._entries[self.resolve(expected.checkpoint)]
+            for lo in range(0, flat.numel(), step):
+                hi = min(flat.numel(), lo + step)
+                dst[lo:hi].copy_(flat[lo:hi])
+                self._drop(expected, offset + lo * src.element_size(), (hi - lo) * src.element_size())
+        del src
+        self.release(expected)
+
+    def release(self, expected: TensorSpec) -> None:
+        """Drop the tensor's pages from this process's resident set (``_drop`` over its bytes)."""
+        _, _, _, offset, nbytes = self._entries[self.resolve(expected.checkpoint)]
+        self._drop(expected, offset, nbytes)
+
+    def _drop(self, expected: TensorSpec, offset: int, nbytes: int) -> None:
+        """``MADV_DONTNEED`` over file bytes [offset, offset + nbytes), widened to whole pages. The
+        mapping is private and never written, so a page dropped is read again from the page cache
+        if touched later (a neighbour's bytes on a shared page, a tied embedding): nothing is
+        lost, only residency."""
+        f = self._entries[self.resolve(expected.checkpoint)][0]
+        m = self._maps.get(f)
+        if m is None or nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        begin = offset - offset % mmap.PAGESIZE
+        end = min(len(m), -(-(offset + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        m.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
     def close(self) -> None:
         """Unmap the files, once every tensor needed was copied out of them (BufferError while
@@ -178,6 +216,9 @@ class RandomWeights:
         out = torch.empty(expected.shape, dtype=dtype or torch.float32)
         self.fill(expected, out)
         return out
+
+    def release(self, expected: TensorSpec) -> None:
+        return None
 
     def fill(self, expected: TensorSpec, out: torch.Tensor) -> None:
         if out.device.type != "cpu":

@@ -14,7 +14,8 @@ from hetplan.units import format_bytes, format_seconds
 
 class _Progress:
     """Progress on stderr: one updating line on a terminal; otherwise a line when a stage starts,
-    at each quarter of decode, and when a stage ends."""
+    at each quarter of prefill (layers done; as issued on a CUDA GPU) and of decode, and when a
+    stage ends."""
 
     def __init__(self):
         self.tty = sys.stderr.isatty()
@@ -22,14 +23,14 @@ class _Progress:
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         label = {"loading": "loading weights", "prefill": "prefill", "decode": "decode"}[stage]
-        unit = {"loading": " blocks", "prefill": "", "decode": " tokens"}[stage]
-        line = label if stage == "prefill" else f"{label} {done}/{total}{unit}"
+        unit = {"loading": " blocks", "prefill": " layers", "decode": " tokens"}[stage]
+        line = f"{label} {done}/{total}{unit}"
         if self.tty:
             click.echo(f"\r\033[K{line}", err=True, nl=False)
-            if stage == "decode" and done == total:
+            if done == total:
                 click.echo("", err=True)
             return
-        mark = (stage, done * 4 // max(1, total) if stage == "decode" else done == total)
+        mark = (stage, done * 4 // max(1, total) if stage != "loading" else done == total)
         if mark != self.last:
             click.echo(line, err=True)
             self.last = mark
@@ -101,16 +102,25 @@ def _report(r, trace_path, routing_path) -> None:
         if r.text:
             click.echo(f"  text: {r.text[i]!r}")
     click.echo(f"{'':18}{'measured':>13}{'predicted':>13}{'error':>11}")
-    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("decode_tokens_per_s", "decode tokens/s")):
+    for key, label in (("ttft_s", "TTFT (warm)"), ("tpot_s", "TPOT"), ("decode_tokens_per_s", "decode tokens/s")):
         m, p, e = r.measured[key], r.predicted[key], r.relative_error[key]
         fmt = (lambda v: f"{v:.1f}") if key == "decode_tokens_per_s" else format_seconds
-        click.echo(f"{label:18}{fmt(m) if m is not None else '-':>13}{fmt(p):>13}"
-                   f"{f'{e:+.1%}' if e is not None else '-':>11}")
+        error = f"{e:+.1%}" if e is not None else ("n/a" if not r.comparable else "-")
+        click.echo(f"{label:18}{fmt(m) if m is not None else '-':>13}{fmt(p):>13}{error:>11}")
+    if r.measured.get("cold_ttft_s") is not None:
+        click.echo(f"{'TTFT (cold)':18}{format_seconds(r.measured['cold_ttft_s']):>13}")
+    if not r.comparable:
+        click.echo("times not comparable with the plan: its GPU was emulated on the CPU, so the run measured "
+                   "the CPU, not the plan's GPU")
     for tier in ("gpu", "cpu"):
         if r.mode == "cpu" and tier == "gpu":
             continue
         click.echo(f"{f'peak {tier.upper()} memory':18}{format_bytes(r.peak_bytes[tier]):>13}"
                    f"{format_bytes(r.planned_bytes[tier]):>13}")
+        if tier == "gpu" and "gpu_reserved" in r.peak_bytes:
+            click.echo(f"{'  GPU reserved':18}{format_bytes(r.peak_bytes['gpu_reserved']):>13}")
+    if r.pinned_bytes:
+        click.echo(f"{'pinned host memory':18}{format_bytes(r.pinned_bytes):>13}")
     if r.h2d_bytes_per_s:
         click.echo(f"weight loads achieved {format_bytes(r.h2d_bytes_per_s)}/s")
     for path in (trace_path, routing_path):

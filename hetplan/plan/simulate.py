@@ -21,6 +21,8 @@ a task starts or ends, so its replayed time is at least its duration.
 Staging discipline: a ``load`` occupies its slot from its start until the end of the last
 compute task of its block in that phase; two occupancies of one slot must not overlap, slots are
 numbered ``0 .. depth - 1``, and a compute task that reads a slot starts after its load ended.
+Those are checked on the replay's times; the graph must also guarantee them whatever the tasks
+really take (``check_slot_reuse``): every reader of a slot is an ancestor of the next load into it.
 """
 
 from __future__ import annotations
@@ -195,6 +197,45 @@ def staging_occupancy(tasks, start: dict, end: dict, depth: int, slot_bytes: flo
     return _peak_concurrency(intervals, depth, phase)
 
 
+def check_slot_reuse(tasks, edges, phase: str = "phase") -> None:
+    """Refuse a schedule whose graph lets a load overwrite a staging slot that a task may still read.
+
+    Loads run in list order on their queue. For consecutive loads L1, L2 into slot s, every task
+    R of L1's block that reads s (``slot == s``, not a load) must be an ancestor of L2 in the
+    graph G = edges + queue order (each task after the one before it on its resource):
+    R ∈ anc_G(L2). Timing alone cannot show it: with durations other than the plan's, a load
+    not ordered after a reader could start while the reader runs."""
+    before = {t.id: [] for t in tasks}
+    for src, dst in edges:
+        if src in before and dst in before:
+            before[dst].append(src)
+    last = {}
+    for t in tasks:
+        if t.resource in last:
+            before[t.id].append(last[t.resource])
+        last[t.resource] = t.id
+    previous = {}
+    for t in tasks:
+        if t.kind != "load":
+            continue
+        earlier = previous.get(t.slot)
+        previous[t.slot] = t
+        if earlier is None:
+            continue
+        readers = [r.id for r in tasks if r.block == earlier.block and r.slot == t.slot and r.kind != "load"]
+        ancestors, stack = set(), [t.id]
+        while stack:
+            for p in before[stack.pop()]:
+                if p not in ancestors:
+                    ancestors.add(p)
+                    stack.append(p)
+        missing = [r for r in readers if r not in ancestors]
+        if missing:
+            raise PlanInvalid(f"{phase}: {t.id} may overwrite staging slot {t.slot} while {missing[0]} still "
+                              f"reads {earlier.block}'s weights there: no chain of edges orders {missing[0]} "
+                              f"before {t.id}; recompile the plan")
+
+
 def _peak_concurrency(intervals, depth: int, phase: str) -> tuple[int, float]:
     """Sweep occupancy intervals (ends before starts at equal times) -> (max count, max bytes)."""
     events = sorted([(b, 0, -1, -nbytes) for _, b, _, _, nbytes in intervals]
@@ -234,6 +275,7 @@ def simulate(plan) -> SimResult:
         start, end = replay(sched.tasks, sched.edges, phase, bus_capacity(plan.hardware))
         slots[phase], staged[phase] = staging_occupancy(sched.tasks, start, end, depth,
                                                         plan.staging["slot_bytes"], phase)
+        check_slot_reuse(sched.tasks, sched.edges, phase)
         makespan[phase] = max(end.values(), default=0.0)
         busy[phase] = {}
         for t in sched.tasks:

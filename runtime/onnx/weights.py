@@ -46,6 +46,10 @@ class OnnxWeights:
     def fill(self, expected, out: torch.Tensor) -> None:
         out.copy_(self.value(expected.checkpoint))
 
+    def release(self, expected) -> None:
+        """Nothing to let go: the initializers live in the loaded graph."""
+        return None
+
     def tokenizer_dir(self):
         d = self.directory
         return d if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file() else None

@@ -173,6 +173,9 @@ def _device_peaks(device: str, peaks: dict, rates: dict, budget: Budget, tick) -
         rates[device, name] = rate
         fp32_rate = fp32_rate or rate
         if rate < USABLE_FRACTION * fp32_rate:
+            # The probe's rate is this dtype's peak here: without it node.yaml would lack the
+            # dtype and the cost model would price it at the next one it finds (fp32).
+            peaks[f"{where}.flops.{name}"] = rate
             budget.skip(f"{device} {name} GEMMs", f"matmul runs at {rate / 1e9:.2f} GFLOP/s here "
                         f"(emulated, < {USABLE_FRACTION:.0%} of fp32): standard grid not profiled")
             tick(f"{device} {name} GEMM")

@@ -69,11 +69,25 @@ def test_json_holds_tokens_metrics_and_peak_memory(files):
     doc = json.loads(proc.stdout)
     assert len(doc["tokens"]) == 1 and len(doc["tokens"][0]) == GEN_LEN
     assert all(0 <= t < 128 for t in doc["tokens"][0])
+    assert set(doc["predicted"]) == {"ttft_s", "tpot_s", "decode_tokens_per_s"}
+    assert set(doc["measured"]) == {"ttft_s", "cold_ttft_s", "tpot_s", "decode_tokens_per_s"}
     for side in ("measured", "predicted"):
-        assert set(doc[side]) == {"ttft_s", "tpot_s", "decode_tokens_per_s"}
         assert all(v > 0 for v in doc[side].values())
+    # the GPU was emulated: its times are the CPU's, so no error against the plan's GPU is claimed
+    assert doc["mode"] == "emulated" and doc["comparable"] is False
+    assert all(v is None for v in doc["relative_error"].values())
     assert set(doc["peak_bytes"]) == {"gpu", "cpu"} and doc["peak_bytes"]["gpu"] > 0
     assert "decode 5/5 tokens" in proc.stderr  # progress on stderr, never on stdout
+    assert "prefill 2/2 layers" in proc.stderr
+
+
+def test_emulated_run_reports_its_times_as_not_comparable(files, capsys):
+    rc, out, _ = run_cli(capsys, files / "plan.json", "--weights", "random", "--prompt-ids", "1,2,3,4")
+    assert rc == 0
+    assert "times not comparable with the plan: its GPU was emulated on the CPU" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("TTFT", "TPOT", "decode"))}
+    assert "%" not in "".join(rows.values()) and "n/a" in rows["TPOT"]
+    assert "TTFT (cold)" in out
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens(files, capsys):

@@ -4,14 +4,17 @@ A block resident on the GPU keeps there its norm, router (+ deepseek's correctio
 experts and its *hot* routed experts; its *cold* experts stay in DRAM and run on the CPU. The
 GPU part's weights define the split: an expert is hot exactly when the GPU part holds its
 tensors (``HotSet``), so the pairs the router sends to the CPU are those of the experts the CPU
-part holds. With T = B * S tokens, k experts per token and P (token, cold expert) pairs::
+part holds. With T = B * S tokens, k experts per token, C cold experts and P (token, cold expert)
+pairs, the route sends a fixed N = T * min(k, C) >= P rows (no host sync to learn P: the first P
+are the cold pairs, the rest padding marked with expert id E and gate 0)::
 
     moe_route   gpu  x -> h [T, D] (normed), ids [T, k], gates [T, k] (routing weights), and the
-                     cold pairs grouped by expert (ascending, stable): cold_x [P, D] (rows of h),
-                     cold_pos [P] (token), cold_ids [P] (expert), cold_gates [P]
+                     cold pairs grouped by expert (ascending, stable), then padding:
+                     cold_x [N, D] (rows of h), cold_pos [N] (token), cold_ids [N] (expert, E for
+                     padding), cold_gates [N] (0 for padding)
     moe_experts gpu  x, h, ids, gates -> x + shared(h) + sum over hot pairs of gate * expert(h)
-    moe_cold    cpu  cold_x, cold_ids, cold_gates -> cold_y [P, D] = gate * expert(cold_x), one
-                     SwiGLU per cold expert over its contiguous rows
+    moe_cold    cpu  cold_x, cold_ids, cold_gates -> cold_y [N, D] = gate * expert(cold_x), one
+                     SwiGLU per cold expert over its contiguous rows, 0 on padding rows
     moe_merge   gpu  x, cold_y, cold_pos -> x with cold_y added at rows cold_pos
 
 Only the cold pairs' rows cross to the CPU and only their outputs come back. In a phase that
@@ -20,8 +23,10 @@ is complete, ``moe_route`` sends no pair and ``moe_experts`` computes every expe
 computes as the whole-block ``moe`` stage does (``runtime/models/moe/layer.py``), so a split block's output
 equals the unsplit one's up to the order of the sums.
 
-Host syncs: ``moe_route`` one (the number of cold pairs), none when every expert is hot;
-``moe_experts`` the one of ``experts_forward``; ``moe_cold`` reads its counts on the CPU.
+Host syncs: ``moe_route`` and ``moe_merge`` none (fixed shapes: N rows cross instead of P, equal
+when every cold pair of a token is cold, at most T * min(k, C)); ``moe_experts`` the one of
+``experts_forward`` (its per-expert counts; removing it needs a grouped GEMM over device-side
+offsets); ``moe_cold`` reads its counts on the CPU, where the copy has already landed.
 Knows nothing about plans, queues or tiers.
 """
 
@@ -66,14 +71,19 @@ def route_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
     h = _rms_norm(x, w["norm"], spec.norm_eps).reshape(-1, spec.hidden)      # [T, D], T = B * S
     ids, gates = route(h, Router(w["router"], w.get("router_bias")), spec)  # [T, k] each
     flat_ids, flat_gates = ids.reshape(-1), gates.reshape(-1)                 # [T * k]
+    n_e, k = spec.n_experts, ids.shape[1]
     if hot.complete:
         rows = flat_ids.new_empty((0,))
+        cold_ids, cold_gates = flat_ids[rows], flat_gates[rows]
     else:
-        rows = torch.nonzero(~hot.mask[flat_ids]).squeeze(1)                 # [P] pairs, token-major
-        rows = rows[torch.argsort(flat_ids[rows], stable=True)]              # grouped by expert
-    pos = rows // ids.shape[1]                                                # [P] token of each pair
+        n_rows = h.shape[0] * min(k, n_e - len(hot.ids))                      # N >= P
+        key = torch.where(hot.mask[flat_ids], n_e, flat_ids)                  # hot pairs sort last
+        rows = torch.argsort(key, stable=True)[:n_rows]                       # [N] cold pairs by expert, token-major
+        cold_ids = key[rows]                                                  # [N] E marks padding
+        cold_gates = torch.where(cold_ids < n_e, flat_gates[rows], torch.zeros_like(flat_gates[rows]))
+    pos = rows // k                                                           # [N] token of each pair
     return {"h": h, "ids": ids, "gates": gates, "cold_x": h[pos], "cold_pos": pos,
-            "cold_ids": flat_ids[rows], "cold_gates": flat_gates[rows]}
+            "cold_ids": cold_ids, "cold_gates": cold_gates}
 
 
 def experts_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
@@ -89,11 +99,12 @@ def experts_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
 
 def cold_stage(c: StageCall, spec: ModelSpec) -> dict:
     """The cold pairs arrive grouped by expert (``route_stage``), so each expert's rows are one
-    contiguous slice; experts are looked up one at a time, each used before the next."""
-    x, ids, gates = c.inputs["cold_x"], c.inputs["cold_ids"], c.inputs["cold_gates"]  # [P, D], [P], [P]
-    y = torch.empty_like(x)
+    contiguous slice, padding (expert id E) last; experts are looked up one at a time, each used
+    before the next; padding rows stay 0."""
+    x, ids, gates = c.inputs["cold_x"], c.inputs["cold_ids"], c.inputs["cold_gates"]  # [N, D], [N], [N]
+    y = torch.zeros_like(x)
     start = 0
-    for e, n in enumerate(torch.bincount(ids, minlength=spec.n_experts).tolist()):
+    for e, n in enumerate(torch.bincount(ids, minlength=spec.n_experts + 1)[:spec.n_experts].tolist()):
         if n:
             rows = slice(start, start + n)
             out = swiglu(x[rows], block_expert(c.weights, f"experts.{e}"), spec.act) * gates[rows, None]
