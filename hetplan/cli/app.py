@@ -8,12 +8,15 @@ A HetplanError becomes a one-line message on stderr and exit code 2; no tracebac
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 import warnings
+from pathlib import Path
 
 import click
 
-from hetplan import __version__
+from hetplan import __version__, progress
 from hetplan.errors import HetplanError
 
 _COMMANDS = {
@@ -64,23 +67,39 @@ def _one_line_warning(show_other):
     return show
 
 
+EXIT_OK, EXIT_REGRESSION, EXIT_USER, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+"""Exit codes (README "Exit codes"): ok; ``check`` found a regression; a mistake in the input;
+a bug in hetplan; Ctrl-C."""
+_REPORT = ("please report it with the command line that triggered it (HETPLAN_TRACEBACK=1 prints the "
+           "traceback)")
+
+
 def _main(argv=None) -> int:
     try:
-        rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
+        with progress.reporting(lambda text: click.echo(f"hetplan: {text}", err=True)):
+            rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
     except HetplanError as e:
         click.echo(f"hetplan: error: {e}", err=True)
-        return 2
+        return EXIT_USER
     except click.exceptions.Abort:
         click.echo("hetplan: aborted", err=True)
-        return 130
+        return EXIT_INTERRUPTED
     except click.ClickException as e:
         e.show()
         return e.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code
     except KeyboardInterrupt:
-        click.echo("hetplan: interrupted", err=True)
-        return 130
+        click.echo("hetplan: interrupted; nothing was written", err=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug: one line, never a traceback (HETPLAN_TRACEBACK=1 shows it)
+        if os.environ.get("HETPLAN_TRACEBACK"):
+            raise
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        click.echo(f"hetplan: internal error: {type(e).__name__}: {str(e)[:300]} (at "
+                   f"{Path(where.filename).name}:{where.lineno}); this is a bug in hetplan, {_REPORT}",
+                   err=True)
+        return EXIT_INTERNAL
     return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(code) lands here
 
 
