@@ -183,7 +183,7 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, float]:
     strategy, arg = parse_strategy(req.strategy)
     spec, hw = load_inputs(req)
     routing = load_request_routing(req, spec)
-    with progress.step(f"checking that {spec.name} can fit at all"):
+    if spec.n_layers > BOUND_FIRST_LAYERS:
         weights_bound(spec, hw, req.weight_dtype == "auto")
     tried = ""
     if req.weight_dtype == "auto":
@@ -202,6 +202,11 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, float]:
         raise
 
 
+BOUND_FIRST_LAYERS = 2000
+"""Above this many layers a problem takes seconds to build, so the cheap weights bound is checked
+first; below it the full diagnosis (KV and workspace counted, fixes computed) is as quick."""
+
+
 def weights_bound(spec: ModelSpec, hw: HardwareSpec, auto: bool) -> None:
     """The cheap bound checked before any problem is built: the weights alone,
     ``total_params x bits / 8`` (at the smallest dtype there is when ``auto``), must fit in the
@@ -218,7 +223,8 @@ def weights_bound(spec: ModelSpec, hw: HardwareSpec, auto: bool) -> None:
                               f"in {dtype}, but GPU + CPU hold {format_bytes(have)}: no dtype, batch or "
                               f"placement fits; use a machine with at least that much memory")
     raise InfeasibleError(f"{spec.name}: its weights alone need {format_bytes(need)} in {dtype} ({params:.4g} "
-                          f"parameters), but GPU + CPU hold {format_bytes(have)}; pass --weight-dtype auto "
+                          f"parameters), but GPU + CPU hold {format_bytes(have)}: missing {format_bytes(need - have)}; "
+                          f"pass --weight-dtype auto "
                           f"(it picks a smaller dtype that fits, if one does) or use a machine with more memory")
 
 

@@ -109,5 +109,5 @@ def over_budget(plan, problem: Problem) -> str:
     found = fixes(problem, strategy)
     if strategy != "ilp" and len(found) > 1:
         found = [found[0] + " with one of " + ", ".join(found[1:])]
-    tail = ("; try " + ", or ".join(found)) if found else "; give the machine more memory"
+    tail = (": use " + ", or ".join(found)) if found else ": give the machine more memory"
     return "; ".join(parts) + tail

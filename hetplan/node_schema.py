@@ -41,17 +41,17 @@ def _show(what: str, x: float) -> str:
     if what == "a size":
         return format_bytes(x).replace(" ", "")
     if what == "a bandwidth":
-        return f"{x / _TB:g}TB/s" if x >= _TB else f"{x / _GB:g}GB/s"
-    return f"{x / _TB:g}TFLOPS"
+        return f"{x / _TB:g}TB/s" if x >= _TB else f"{x / _GB:g}GB/s" if x >= _GB else f"{x / 1e6:g}MB/s"
+    return f"{x / 1e15:g}PFLOPS" if x >= 1e15 else f"{x / _TB:g}TFLOPS" if x >= _TB else f"{x / 1e6:g}MFLOPS"
 
 
-GpuMemory = _unit("a size", 2**28, 2**40, "no GPU sold holds more than 288 GB")
-CpuMemory = _unit("a size", 2**28, 2**46, "larger than any single machine's DRAM (64 TiB)")
+GpuMemory = _unit("a size", 2**20, 2**40, "no GPU sold holds more than 288 GB")
+CpuMemory = _unit("a size", 2**20, 2**46, "larger than any single machine's DRAM (64 TiB)")
 Reserve = _unit("a size", 0, 2**46, "larger than any machine's memory", zero_ok=True)
-MemBandwidth = _unit("a bandwidth", 1 * _GB, 20 * _TB, "no memory is faster than about 8 TB/s (HBM3e)")
-LinkBandwidth = _unit("a bandwidth", 0.1 * _GB, 2 * _TB, "no CPU-GPU link is faster than about 900 GB/s "
+MemBandwidth = _unit("a bandwidth", 1e6, 20 * _TB, "no memory is faster than about 8 TB/s (HBM3e)")
+LinkBandwidth = _unit("a bandwidth", 1e6, 2 * _TB, "no CPU-GPU link is faster than about 900 GB/s "
                       "(NVLink-C2C); PCIe 5.0 x16 is 64 GB/s")
-FlopRate = _unit("a FLOP rate", 1e9, 1e17, "no device computes more than about 20 PFLOPS dense")
+FlopRate = _unit("a FLOP rate", 1e6, 1e17, "no device computes more than about 20 PFLOPS dense")
 Fraction = Annotated[float, Field(gt=0, le=1, json_schema_extra={"range": "(0, 1]"})]
 TaskSeconds = Annotated[float, Field(ge=0, le=1, json_schema_extra={"range": "0 .. 1 s"})]
 

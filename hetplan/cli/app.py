@@ -50,6 +50,24 @@ def cli():
     and PCIe, optimally for a stated objective, and run the plan."""
 
 
+INSTALL_RUNTIME = {
+    "CPU": "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && pip install -e '.[runtime]'",
+    "CUDA": "pip install -e '.[runtime]'",
+}
+"""The runtime's install lines (README "Install"): the CPU wheel index keeps pip from pulling a
+multi-gigabyte CUDA build onto a machine without a GPU."""
+
+
+def require_torch(command: str) -> None:
+    """Refuse ``command`` with the install lines when torch cannot be imported."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise HetplanError(f"hetplan {command} needs the torch runtime, which is not installed; on a CPU-only "
+                           f"machine run `{INSTALL_RUNTIME['CPU']}`, on a CUDA machine `{INSTALL_RUNTIME['CUDA']}`"
+                           ) from None
+
+
 def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning(warnings.showwarning)

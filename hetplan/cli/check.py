@@ -32,7 +32,7 @@ def command(paths, tolerance, allow_placement_change, update):
     the tolerance, it no longer fits in memory, or its placement changed; the command then prints
     what differs and exits with status 1."""
     counts = {"OK": 0, "UPDATED": 0, "FAIL": 0, "ERROR": 0}
-    for path in plan_paths(paths, strict=False):
+    for path in plan_paths(paths):
         try:
             res = check_plan(path, tolerance=tolerance, allow_placement_change=allow_placement_change,
                              update=update)
@@ -47,12 +47,12 @@ def command(paths, tolerance, allow_placement_change, update):
             click.echo(f"  - {line}")
         for line in res.notes:
             click.echo(f"  note: {line}")
-    total = sum(counts.values())
-    click.echo(f"{total} plan(s): " + ", ".join(f"{n} {k}" for k, n in counts.items() if n), err=True)
-    if counts["ERROR"]:
-        click.echo("unreadable plans exit with status 2 (the worst outcome wins)", err=True)
+    tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    if counts["ERROR"]:  # the worst outcome wins: unreadable plans (2) over regressions (1)
+        click.echo(f"hetplan: error: {counts['ERROR']} plan(s) could not be checked (ERROR above; {tally}); "
+                   f"fix or recompile them", err=True)
         raise click.exceptions.Exit(2)
     if counts["FAIL"]:
         hint = "" if update else "; if the change is intended, run `hetplan check --update` and commit the plans"
-        click.echo(f"{counts['FAIL']} plan(s) failed{hint}", err=True)
+        click.echo(f"{counts['FAIL']} plan(s) failed ({tally}){hint}", err=True)
         raise click.exceptions.Exit(1)

@@ -7,7 +7,9 @@ import sys
 
 import click
 
+from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
+from hetplan.files import writable_target
 from hetplan.plan import load_plan, write_atomic
 from hetplan.units import format_bytes, format_seconds
 
@@ -56,6 +58,10 @@ class _Progress:
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
             emulate, routing_path, as_json):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
+    require_torch("exec")
+    for option, target in (("--trace", trace_path), ("--record-routing", routing_path)):
+        if target:
+            writable_target(target, option)  # before the run, not after it
     from hetplan.runtime.prompt import parse_prompt_ids
     from hetplan.runtime.session import RunOptions, choose_mode, run_plan
 
@@ -83,7 +89,7 @@ def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, g
         click.echo("note: no CUDA device: the plan's GPU is emulated on the CPU (--emulate)", err=True)
     result = run_plan(plan, opts, progress=_Progress())
     if trace_path:
-        write_atomic(trace_path, json.dumps(result.trace) + "\n")
+        write_atomic(trace_path, json.dumps(result.trace) + "\n", option="--trace")
     if routing_path:
         from hetplan.routing import write_routing
         write_routing(routing_path, result.routing)
