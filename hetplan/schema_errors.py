@@ -61,7 +61,8 @@ def _model_at(root: type, loc: tuple) -> type | None:
 def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: str | None = None,
                  fix: str = "") -> HetplanError:
     """One line for the first error of ``e`` (validating ``root``), with how many more there are."""
-    errs = e.errors(include_url=False)
+    # an unknown key first: a misspelt key also makes the intended one look missing
+    errs = sorted(e.errors(include_url=False), key=lambda x: x["type"] != "extra_forbidden")
     first = errs[0]
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
     key = dotted(loc) or "(top level)"

@@ -102,9 +102,13 @@ def _main(argv=None) -> int:
     except click.exceptions.Abort:
         click.echo("hetplan: aborted", err=True)
         return EXIT_INTERRUPTED
+    except click.UsageError as e:  # a bad option or argument: one line, like every other mistake
+        command = e.ctx.command_path if e.ctx is not None else "hetplan"
+        click.echo(f"hetplan: error: {e.format_message()} (see `{command} --help`)", err=True)
+        return EXIT_USER
     except click.ClickException as e:
-        e.show()
-        return e.exit_code
+        click.echo(f"hetplan: error: {e.format_message()}", err=True)
+        return EXIT_USER
     except click.exceptions.Exit as e:
         return e.exit_code
     except KeyboardInterrupt:

@@ -18,11 +18,16 @@ class _Progress:
     """Progress on stderr: one updating line on a terminal; otherwise a line when a stage starts,
     at each quarter of decode, and when a stage ends."""
 
-    def __init__(self):
+    def __init__(self, first_note: str | None = None):
         self.tty = sys.stderr.isatty()
         self.last = None
+        self.first_note = first_note
+        """Shown when the run starts (after the inputs were accepted), so a refused run says one line."""
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.first_note:
+            click.echo(f"note: {self.first_note}", err=True)
+            self.first_note = None
         label = {"loading": "loading weights", "prefill": "prefill", "decode": "decode"}[stage]
         unit = {"loading": " blocks", "prefill": "", "decode": " tokens"}[stage]
         line = label if stage == "prefill" else f"{label} {done}/{total}{unit}"
@@ -85,9 +90,10 @@ def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, g
                       prompt_ids=parse_prompt_ids(prompt_ids) if prompt_ids is not None else None,
                       gen_len=gen_len, temperature=temperature or 0.0, emulate=emulate,
                       trace=trace_path is not None, record_routing=routing_path is not None)
+    note = None
     if emulate is None and choose_mode(plan, None) == "emulated":
-        click.echo("note: no CUDA device: the plan's GPU is emulated on the CPU (--emulate)", err=True)
-    result = run_plan(plan, opts, progress=_Progress())
+        note = "no CUDA device: the plan's GPU is emulated on the CPU (--emulate)"
+    result = run_plan(plan, opts, progress=_Progress(note))
     if trace_path:
         write_atomic(trace_path, json.dumps(result.trace) + "\n", option="--trace")
     if routing_path:
