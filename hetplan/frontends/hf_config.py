@@ -38,6 +38,8 @@ def load_config_file(path: str | Path) -> dict:
 def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.json",
                      weight_dtype: str | None = None, kv_dtype: str | None = None) -> ModelSpec:
     """Build a ModelSpec from a parsed HF config dict."""
+    if not isinstance(cfg, dict):
+        raise HetplanError(f"{source}: expected a JSON object at the top level")
     mt = cfg.get("model_type")
     if mt is None:
         raise HetplanError(f"{source}: missing key 'model_type'")

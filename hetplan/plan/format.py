@@ -175,7 +175,7 @@ class Plan:
                        predicted=d["predicted"], schedule=sched, inputs=d.get("inputs", {}))
         except HetplanError as e:
             raise HetplanError(f"{source}: {e}") from None
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
             raise HetplanError(f"{source}: malformed plan ({type(e).__name__}: {e}); "
                                f"recompile it with `hetplan compile`") from None
 
