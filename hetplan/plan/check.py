@@ -82,9 +82,9 @@ def request_of(plan: Plan, source: str) -> CompileRequest:
 
 
 def _relative_to_plan(req: CompileRequest, folder: Path) -> CompileRequest:
-    """Resolve a recorded relative ``--hw`` or MODEL path against the plan's own directory (where
-    it was compiled from, in the usual layout), so ``check`` works from any directory; presets
-    and absolute paths are kept."""
+    """Resolve a recorded relative ``--hw`` path (and MODEL path, when it does not exist from here)
+    against the plan's own directory, so ``check`` works from any directory; presets, absolute
+    paths and paths that exist from the working directory are kept."""
     from hetplan.presets.nodes import NODE_PRESETS
 
     changes = {}
