@@ -100,7 +100,7 @@ def _main(argv=None) -> int:
         click.echo(f"hetplan: error: {e}", err=True)
         return EXIT_USER
     except click.exceptions.Abort:
-        click.echo("hetplan: aborted", err=True)
+        click.echo("hetplan: interrupted; nothing was written", err=True)
         return EXIT_INTERRUPTED
     except click.UsageError as e:  # a bad option or argument: one line, like every other mistake
         command = e.ctx.command_path if e.ctx is not None else "hetplan"
