@@ -12,7 +12,9 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from hetplan.dtypes import bytes_per_element
+from hetplan.diagnose import diagnose, fits_at_all, over_budget  # noqa: F401  (diagnose is part of this API)
+from hetplan import progress
+from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.evaluate import fits, make_plan, objective_s, predictions
 from hetplan.hardware import HardwareSpec, load_node
@@ -87,11 +89,30 @@ def parse_strategy(text: str) -> tuple[str, int | None]:
 
 def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
     hw = load_node(req.hw)
-    hw = hw.with_budgets(parse_bytes(req.gpu_mem, "--gpu-mem") if req.gpu_mem else None,
-                         parse_bytes(req.cpu_mem, "--cpu-mem") if req.cpu_mem else None)
+    gpu_mem = parse_bytes(req.gpu_mem, "--gpu-mem") if req.gpu_mem else None
+    cpu_mem = parse_bytes(req.cpu_mem, "--cpu-mem") if req.cpu_mem else None
+    for flag, value, dev in (("--gpu-mem", gpu_mem, hw.gpu), ("--cpu-mem", cpu_mem, hw.cpu)):
+        if value is not None and dev is not None and value > dev.memory_bytes:
+            raise HetplanError(f"{flag} {req.gpu_mem if flag == '--gpu-mem' else req.cpu_mem}: more than the "
+                               f"{dev.name} of node {hw.name!r} has ({format_bytes(dev.memory_bytes)} in all); "
+                               f"give at most that, or describe the real machine in a node.yaml")
+    hw = hw.with_budgets(gpu_mem, cpu_mem)
+    if len(hw.gpus) > 1:
+        req.notes.append(multi_gpu_note(hw))
     dtype = None if req.weight_dtype == "auto" else req.weight_dtype
     spec = load_model(req.model, dtype, req.kv_dtype)
     return spec, hw
+
+
+def multi_gpu_note(hw: HardwareSpec) -> str:
+    """What a plan of a node with several GPUs covers (plans span one GPU for now)."""
+    return (f"node {hw.name!r} has {len(hw.gpus)} GPUs; plans use only the first ({hw.gpu.name}): "
+            f"the others stay idle")
+
+
+PLAN_STATUSES = ("optimal", "node_limit", "time_limit", "interrupted")
+"""MILP statuses whose incumbent is a plan (proven optimal, or the best found when a limit or
+Ctrl-C stopped the search); any other status with a solution is a failed solve."""
 
 
 def load_request_routing(req: CompileRequest, spec: ModelSpec):
@@ -135,6 +156,10 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
                         "mip_rel_gap": opts.mip_rel_gap, "depths": list(opts.depths)},
             "size": {"binaries": res.n_binaries, "constraints": res.n_constraints}}
     dec = res.decision
+    if dec is not None and problem.has_gpu and not res.status.startswith(PLAN_STATUSES):
+        raise HetplanError(f"the MILP solver stopped with status {res.status!r} and no usable plan, so nothing "
+                           f"was written; this usually means extreme inputs (check the node's sizes and "
+                           f"bandwidths), or try a heuristic plan with --strategy ngl")
     if dec is not None:
         # Never hand out something worse than a baseline that fits: a plan not proven optimal
         # may be, and even a proven one is optimal for the MILP, whose bus terms only bound
@@ -173,24 +198,64 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
     strategy, arg = parse_strategy(req.strategy)
     spec, hw = load_inputs(req)
     routing = load_request_routing(req, spec)
+    if spec.n_layers > BOUND_FIRST_LAYERS:
+        weights_bound(spec, hw, req.weight_dtype == "auto")
+    tried = ""
     if req.weight_dtype == "auto":
+        native = spec.weight_dtype
         spec = _auto_dtype(spec, hw, _workload(req), req)
-    if req.objective == "throughput":
-        plan, solve_s = _best_batch(spec, hw, req, strategy, arg, routing)
-    else:
-        plan, solve_s = _compile_one(spec, hw, _workload(req), req, strategy, arg, routing)
+        if spec.weight_dtype == AUTO_DTYPES[-1] and native != AUTO_DTYPES[-1] and not any(
+                AUTO_DTYPES[-1] in n for n in req.notes):
+            tried = f"--weight-dtype auto tried {', '.join((native,) + AUTO_DTYPES)}: "
+    try:
+        if req.objective == "throughput":
+            plan, solve_s = _best_batch(spec, hw, req, strategy, arg, routing)
+        else:
+            plan, solve_s = _compile_one(spec, hw, _workload(req), req, strategy, arg, routing)
+    except InfeasibleError as e:
+        if tried:
+            raise InfeasibleError(tried + str(e)) from None
+        raise
     return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
 
 
+BOUND_FIRST_LAYERS = 2000
+"""Above this many layers a problem takes seconds to build, so the cheap weights bound is checked
+first; below it the full diagnosis (KV and workspace counted, fixes computed) is as quick."""
+
+
+def weights_bound(spec: ModelSpec, hw: HardwareSpec, auto: bool) -> None:
+    """The cheap bound checked before any problem is built: the weights alone,
+    ``total_params x bits / 8`` (at the smallest dtype there is when ``auto``), must fit in the
+    GPU and CPU budgets together. A model that fails it fails in milliseconds, not after pricing
+    every block."""
+    have = hw.gpu_budget_bytes() + hw.cpu_budget_bytes()
+    params = spec.total_params()
+    dtype = min(BITS_PER_ELEMENT, key=BITS_PER_ELEMENT.get) if auto else spec.weight_dtype
+    need = params * BITS_PER_ELEMENT[dtype] / 8
+    if need <= have:
+        return
+    if auto or dtype == min(BITS_PER_ELEMENT, key=BITS_PER_ELEMENT.get):
+        raise InfeasibleError(f"{spec.name}: {params:.4g} parameters need at least {format_bytes(need)} even "
+                              f"in {dtype}, but GPU + CPU hold {format_bytes(have)}: no dtype, batch or "
+                              f"placement fits; use a machine with at least that much memory")
+    raise InfeasibleError(f"{spec.name}: its weights alone need {format_bytes(need)} in {dtype} ({params:.4g} "
+                          f"parameters), but GPU + CPU hold {format_bytes(have)}: missing {format_bytes(need - have)}; "
+                          f"pass --weight-dtype auto "
+                          f"(it picks a smaller dtype that fits, if one does) or use a machine with more memory")
+
+
 def _compile_one(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan, float]:
-    problem = build_problem(spec, hw, wl, routing=routing)
-    dec, info, secs = decide(problem, strategy, arg, req)
+    with progress.step(f"building the problem ({spec.n_layers} layers, batch {wl.batch})"):
+        problem = build_problem(spec, hw, wl, routing=routing)
+    with progress.step(f"solving with strategy {strategy} (Ctrl-C stops)"):
+        dec, info, secs = decide(problem, strategy, arg, req)
     if dec is None:
-        raise InfeasibleError(diagnose(problem))
+        raise InfeasibleError(diagnose(problem, strategy))
     inputs = {"model_source": req.model, "hw_source": req.hw, "cli_args": req.cli_args(routing)}
     plan = make_plan(problem, dec, info, inputs=inputs)
     if not fits(plan):
-        raise InfeasibleError(f"strategy {info['strategy']}: " + over_budget(plan))
+        raise InfeasibleError(f"strategy {info['strategy']}: " + over_budget(plan, problem))
     return plan, secs
 
 
@@ -207,70 +272,22 @@ def _best_batch(spec, hw, req, strategy, arg, routing=None) -> tuple[Plan, float
             best = plan
         batch *= 2
     if best is None:
-        raise InfeasibleError(diagnose(build_problem(spec, hw, _workload(req, 1))))
+        raise InfeasibleError(diagnose(build_problem(spec, hw, _workload(req, 1), routing=routing), strategy))
     return best, total
 
 
 def _auto_dtype(spec, hw, wl, req) -> ModelSpec:
-    """Keep the checkpoint's dtype when the model fits; else the widest of q8_0, q4_k_m that does."""
-    native_bytes = None
+    """Keep the checkpoint's dtype when the model fits; else the widest of q8_0, q4_k_m that
+    does; when none does, the last tried (so the error's fixes start below it)."""
+    native_bytes, cand = None, spec
     for dtype in (spec.weight_dtype,) + AUTO_DTYPES:
         cand = spec.with_dtypes(weight_dtype=dtype, kv_dtype=req.kv_dtype or spec.kv_dtype)
         problem = build_problem(cand, hw, wl)
         if native_bytes is None:
             native_bytes = sum(b.weight_bytes for b in problem.blocks)
-        if _fits_at_all(problem):
+        if fits_at_all(problem):
             if dtype != spec.weight_dtype:
                 req.notes.append(f"weights do not fit in {spec.weight_dtype} ({format_bytes(native_bytes)}); "
                                  f"planning {dtype} (pass --weight-dtype to choose)")
             return cand
-    return spec
-
-
-def _fits_at_all(problem: Problem) -> bool:
-    """A necessary condition for feasibility: everything fits in GPU + CPU together."""
-    need = sum(b.weight_bytes + b.kv_bytes for b in problem.blocks) + problem.cpu_workspace_bytes
-    if problem.gpu_workspace_bytes <= problem.gpu_budget_bytes:
-        return need + problem.gpu_workspace_bytes <= problem.gpu_budget_bytes + problem.cpu_budget_bytes
-    return need <= problem.cpu_budget_bytes  # the GPU cannot even hold a workspace: all-CPU
-
-
-def diagnose(problem: Problem) -> str:
-    """Say which tier lacks how many bytes, and what would fix it."""
-    weights = sum(b.weight_bytes for b in problem.blocks)
-    kv = sum(b.kv_bytes for b in problem.blocks)
-    ws = problem.gpu_workspace_bytes + problem.cpu_workspace_bytes
-    have = problem.gpu_budget_bytes + problem.cpu_budget_bytes
-    need = weights + kv + ws
-    spec, wl = problem.model, problem.workload
-    lines = [f"no placement fits: weights {format_bytes(weights)} ({spec.weight_dtype}) + KV cache "
-             f"{format_bytes(kv)} (batch {wl.batch} x {wl.context_len} tokens) + workspace {format_bytes(ws)}"
-             f" = {format_bytes(need)}, but GPU {format_bytes(problem.gpu_budget_bytes)} + CPU "
-             f"{format_bytes(problem.cpu_budget_bytes)} = {format_bytes(have)} are available"]
-    if need > have:
-        lines.append(f"missing {format_bytes(need - have)} in total. Fixes: a smaller weight dtype "
-                     f"(--weight-dtype q4_k_m needs about {format_bytes(weights * bytes_per_element('q4_k_m') / spec.weight_bytes_per_param)}),"
-                     f" a smaller batch or context (KV is {format_bytes(kv / max(1, wl.batch))} per sequence),"
-                     f" or more memory (--cpu-mem / --gpu-mem, or a bigger node)")
-    elif problem.gpu_workspace_bytes > problem.gpu_budget_bytes:
-        lines.append(f"the GPU budget is smaller than one forward pass's activation workspace "
-                     f"({format_bytes(problem.gpu_workspace_bytes)} for batch {wl.batch} x prompt "
-                     f"{wl.prompt_len}), so only an all-CPU plan is possible and the CPU lacks "
-                     f"{format_bytes(weights + kv + problem.cpu_workspace_bytes - problem.cpu_budget_bytes)}: "
-                     f"give the GPU more memory (--gpu-mem), the CPU more DRAM (--cpu-mem), or use a "
-                     f"smaller batch, prompt or weight dtype")
-    else:
-        lines.append("the CPU tier cannot hold what the GPU cannot: give it more DRAM (--cpu-mem) "
-                     "or use a smaller batch, context or weight dtype")
-    return "; ".join(lines)
-
-
-def over_budget(plan: Plan) -> str:
-    m = plan.memory
-    parts = []
-    for tier in ("gpu", "cpu"):
-        used, budget = m[f"{tier}_bytes"], m[f"{tier}_budget_bytes"]
-        if used > budget:
-            parts.append(f"{tier.upper()} needs {format_bytes(used - budget)} more "
-                         f"({format_bytes(used)} > budget {format_bytes(budget)})")
-    return "; ".join(parts) + ": use --strategy ilp, a smaller batch/context or weight dtype, or more memory"
+    return cand

@@ -1,8 +1,20 @@
-"""Reading the user's JSON files with errors that say which file, where, and what to do."""
+"""Every file hetplan reads as JSON and every file it writes goes through here.
+
+Reading: ``read_json`` says which file, where (line:column) and what to do.
+Writing: ``write_atomic`` is the one writer (plans, traces, timelines, routing statistics,
+profiles, node.yaml). It writes only regular files: a device, a directory, a FIFO or a socket at
+the target is refused, never replaced; a symlink is written *through* (its target is replaced
+atomically and the link stays a link). The bytes go to a temporary file in the target's directory
+and are renamed over it, so a reader never sees half a file and a failure leaves the old file
+as it was. An existing file keeps its mode; a new one gets ``0666 & ~umask`` (0644 usually).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 from hetplan.errors import HetplanError
@@ -15,8 +27,72 @@ def read_json(path: str | Path, missing: str, fix: str = "") -> object:
     if not p.is_file():
         raise HetplanError(f"{p}: no such {missing}")
     try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise HetplanError(f"{p}: cannot read it ({e})") from None
+        return json.loads(p.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise HetplanError(f"{p}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise HetplanError(f"{p}: not a text file (it is not UTF-8); expected a JSON file{fix}") from None
     except json.JSONDecodeError as e:
         raise HetplanError(f"{p}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}{fix}") from None
+    except RecursionError:
+        raise HetplanError(f"{p}: JSON nested too deeply to be a hetplan file{fix}") from None
+
+
+def writable_target(path: str | Path, option: str = "output") -> Path:
+    """The regular file that writing ``path`` will replace (a symlink resolved), after checking
+    that it can be written: refuses non-regular files and missing or read-only directories.
+    Call it before long work so a bad ``-o`` fails first."""
+    p = Path(path)
+    if str(path) == "":
+        raise HetplanError(f"{option}: empty file name; give a path such as plan.json")
+    target = Path(os.path.realpath(p)) if p.is_symlink() else p
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise HetplanError(f"{option} {path}: cannot use this path ({e.strerror})") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise HetplanError(f"{option} {path}: is {kind}; hetplan writes only regular files: "
+                           f"give a file path")
+    parent = target.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise HetplanError(f"{option} {path}: directory {parent} {what}; create it or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HetplanError(f"{option} {path}: directory {parent} is not writable; "
+                           f"choose another path or fix its permissions")
+    return target
+
+
+def write_atomic(path: str | Path, data: str | bytes, option: str = "output") -> None:
+    """Write ``data`` to ``path`` atomically (see the module docstring for the rules)."""
+    target = writable_target(path, option)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise HetplanError(f"{option} {path}: cannot write in {target.parent} ({e.strerror})") from None
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise HetplanError(f"{option} {path}: could not write it ({e.strerror}); the old file, if any, "
+                           f"is unchanged") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -13,10 +13,13 @@ from pathlib import Path
 import yaml
 
 from hetplan.errors import HetplanError
-from hetplan.units import parse_bandwidth, parse_bytes, parse_flops
+from pydantic import ValidationError
 
-DEFAULT_EFFICIENCY = {"gpu_mem": 0.85, "cpu_mem": 0.7, "link": 0.9, "gpu_flops": 0.7, "cpu_flops": 0.5}
-DEFAULT_LATENCY_S = {"gpu_task": 20e-6, "cpu_task": 20e-6, "link_task": 10e-6}
+from hetplan.node_schema import Efficiency, Latency, Node
+from hetplan.schema_errors import schema_error
+
+DEFAULT_EFFICIENCY = Efficiency().model_dump()
+DEFAULT_LATENCY_S = Latency().model_dump()
 """Fixed cost of one task on each kind of resource (kernel launches, dispatch, DMA setup)."""
 
 
@@ -30,11 +33,13 @@ class DeviceSpec:
     cores: int = 0
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak for ``dtype``; bf16 falls back to fp16 and vice versa, then to fp32."""
+        """Peak for ``dtype``; bf16 falls back to fp16 and vice versa, then to fp32, then to the
+        fastest of fp32/fp16/bf16 (never to an fp8 or int8 rate)."""
         for key in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype), "fp32"):
             if key in self.flops_per_s:
                 return self.flops_per_s[key]
-        return max(self.flops_per_s.values())
+        planned = [v for k, v in self.flops_per_s.items() if k in ("fp32", "fp16", "bf16")]
+        return max(planned or self.flops_per_s.values())
 
 
 @dataclass(frozen=True)
@@ -88,74 +93,31 @@ class HardwareSpec:
 
 # -- node.yaml ---------------------------------------------------------------------------------
 
-_TOP_KEYS = {"name", "gpus", "cpu", "links", "reserve", "efficiency", "latency", "price", "profile"}
-
-
-def parse_node(raw: dict, source: str = "node.yaml") -> HardwareSpec:
-    """Validate and convert a node.yaml mapping (units as strings) to a HardwareSpec."""
+def parse_node(raw, source: str = "node.yaml", text: str | None = None) -> HardwareSpec:
+    """Validate a node.yaml mapping against ``node_schema.Node`` and convert it to a HardwareSpec;
+    ``text`` (the file's YAML) gives errors their line numbers."""
     if not isinstance(raw, dict):
-        raise HetplanError(f"{source}: expected a mapping at the top level")
-    unknown = set(raw) - _TOP_KEYS
-    if unknown:
-        raise HetplanError(f"{source}: unknown keys {sorted(unknown)}; accepted: {sorted(_TOP_KEYS)}")
+        raise HetplanError(f"{source}: expected a mapping of keys (name, gpus, cpu, links, ...) at the "
+                           f"top level, got {type(raw).__name__}")
+    try:
+        node = Node.model_validate(raw)
+    except ValidationError as e:
+        raise schema_error(e, Node, source, text) from None
 
-    def need(d, key, where):
-        if not isinstance(d, dict) or key not in d:
-            raise HetplanError(f"{source}: missing key '{where}{key}'")
-        return d[key]
+    def device(d) -> DeviceSpec:
+        flops = {k: v for k, v in d.flops.model_dump().items() if v is not None}
+        return DeviceSpec(name=d.name, memory_bytes=int(round(d.memory)), mem_bytes_per_s=d.mem_bandwidth,
+                          flops_per_s=flops, cores=d.cores)
 
-    def device(d, where) -> DeviceSpec:
-        flops = need(d, "flops", where)
-        if not isinstance(flops, dict) or not flops:
-            raise HetplanError(f"{source}: '{where}flops' must map dtypes to rates, e.g. {{fp16: 165TFLOPS}}")
-        cores = d.get("cores", 0)
-        if not isinstance(cores, int) or cores < 0:
-            raise HetplanError(f"{source}: '{where}cores' must be a non-negative integer")
-        return DeviceSpec(name=str(d.get("name", where.rstrip("."))),
-                          memory_bytes=parse_bytes(need(d, "memory", where), f"{source}: {where}memory"),
-                          mem_bytes_per_s=parse_bandwidth(need(d, "mem_bandwidth", where),
-                                                          f"{source}: {where}mem_bandwidth"),
-                          flops_per_s={k: parse_flops(v, f"{source}: {where}flops.{k}") for k, v in flops.items()},
-                          cores=cores)
-
-    gpus_raw = raw.get("gpus") or []
-    if not isinstance(gpus_raw, list):
-        raise HetplanError(f"{source}: 'gpus' must be a list")
-    gpus = tuple(device(g, f"gpus[{i}].") for i, g in enumerate(gpus_raw))
-    cpu = device(need(raw, "cpu", ""), "cpu.")
-    links = raw.get("links") or {}
-    if gpus and not links:
-        raise HetplanError(f"{source}: missing key 'links' (h2d and d2h bandwidth, e.g. h2d: 25GB/s)")
-    h2d = parse_bandwidth(need(links, "h2d", "links."), f"{source}: links.h2d") if gpus else 1.0
-    d2h = parse_bandwidth(links.get("d2h", links.get("h2d")), f"{source}: links.d2h") if gpus else 1.0
-    reserve = raw.get("reserve") or {}
-    eff = dict(DEFAULT_EFFICIENCY)
-    for k, v in (raw.get("efficiency") or {}).items():
-        if k not in DEFAULT_EFFICIENCY:
-            raise HetplanError(f"{source}: unknown key 'efficiency.{k}'; accepted: {sorted(DEFAULT_EFFICIENCY)}")
-        if not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise HetplanError(f"{source}: 'efficiency.{k}' must be a number in (0, 1], got {v!r}")
-        eff[k] = float(v)
-    lat = dict(DEFAULT_LATENCY_S)
-    for k, v in (raw.get("latency") or {}).items():
-        if k not in DEFAULT_LATENCY_S:
-            raise HetplanError(f"{source}: unknown key 'latency.{k}'; accepted: {sorted(DEFAULT_LATENCY_S)}")
-        if not isinstance(v, (int, float)) or v < 0:
-            raise HetplanError(f"{source}: 'latency.{k}' must be seconds >= 0, got {v!r}")
-        lat[k] = float(v)
-    price = raw.get("price")
-    per_hour = None
-    if price is not None:
-        per_hour = need(price, "per_hour", "price.")
-        if not isinstance(per_hour, (int, float)) or per_hour <= 0:
-            raise HetplanError(f"{source}: 'price.per_hour' must be a positive number")
+    links = node.links
     return HardwareSpec(
-        name=str(raw.get("name", Path(source).stem)), gpus=gpus, cpu=cpu, h2d_bytes_per_s=h2d,
-        d2h_bytes_per_s=d2h,
-        gpu_reserve_bytes=parse_bytes(reserve["gpu"], f"{source}: reserve.gpu") if "gpu" in reserve else 1 << 30,
-        cpu_reserve_bytes=parse_bytes(reserve["cpu"], f"{source}: reserve.cpu") if "cpu" in reserve else 4 << 30,
-        efficiency=eff, latency_s=lat, price_per_hour=float(per_hour) if per_hour else None,
-        profile=str(raw["profile"]) if raw.get("profile") else None)
+        name=node.name if node.name is not None else Path(source).stem,
+        gpus=tuple(device(g) for g in node.gpus), cpu=device(node.cpu),
+        h2d_bytes_per_s=links.h2d if links else 1.0,
+        d2h_bytes_per_s=(links.d2h or links.h2d) if links else 1.0,
+        gpu_reserve_bytes=int(round(node.reserve.gpu)), cpu_reserve_bytes=int(round(node.reserve.cpu)),
+        efficiency=node.efficiency.model_dump(), latency_s=node.latency.model_dump(),
+        price_per_hour=node.price.per_hour if node.price else None, profile=node.profile)
 
 
 def load_node(source: str) -> HardwareSpec:
@@ -163,18 +125,45 @@ def load_node(source: str) -> HardwareSpec:
     from hetplan.presets.nodes import NODE_PRESETS
 
     if source in NODE_PRESETS:
-        return parse_node(yaml.safe_load(NODE_PRESETS[source]), source=f"preset {source}")
+        text = NODE_PRESETS[source]
+        return parse_node(yaml.safe_load(text), source=f"preset {source}", text=text)
     p = Path(source)
     if not p.is_file():
         raise HetplanError(f"--hw {source!r}: not a preset and no such file; known presets: "
                            f"{', '.join(sorted(NODE_PRESETS))} (or pass a node.yaml path)")
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise HetplanError(f"{p}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise HetplanError(f"{p}: not a text file (not UTF-8); expected a node.yaml") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
-        raise HetplanError(f"{where}: malformed YAML: {getattr(e, 'problem', e)}") from None
-    hw = parse_node(raw, source=str(p))
+        raise HetplanError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise HetplanError(f"{p}: YAML nested too deeply to be a node.yaml") from None
+    hw = parse_node(raw, source=str(p), text=text)
     if hw.profile and not Path(hw.profile).is_absolute():
         hw = dataclasses.replace(hw, profile=str(p.parent / hw.profile))
     return hw
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for k, _ in node.value:
+            key = self.construct_object(k, deep=deep)
+            try:
+                dup = key in seen
+            except TypeError:
+                raise yaml.constructor.ConstructorError(None, None, "a mapping key must be a plain value",
+                                                        k.start_mark) from None
+            if dup:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", k.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)

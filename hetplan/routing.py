@@ -93,7 +93,7 @@ def stats_from_counts(spec: ModelSpec, counts: dict, tokens: int) -> RoutingStat
 
 def write_routing(path: str | Path, stats: RoutingStats) -> None:
     """Write ``stats`` to ``path`` atomically."""
-    write_atomic(path, stats.to_json())
+    write_atomic(path, stats.to_json(), option="--record-routing")
 
 
 def routing_of_plan(plan) -> RoutingStats | None:

@@ -133,7 +133,7 @@ def test_node_without_gpus_is_cpu_only(tmp_path):
 
 @pytest.mark.parametrize("text,parse,value", [
     ("24GiB", parse_bytes, 24 * 2**30), ("64GB", parse_bytes, 64e9), ("512MiB", parse_bytes, 2**29),
-    ("1.5e3", parse_bytes, 1500), ("25GB/s", parse_bandwidth, 25e9), ("936 GB/s", parse_bandwidth, 936e9),
+    ("1.5e3B", parse_bytes, 1500), ("25GB/s", parse_bandwidth, 25e9), ("936 GB/s", parse_bandwidth, 936e9),
     ("165TFLOPS", parse_flops, 165e12), ("0.6TFLOPS", parse_flops, 0.6e12),
 ])
 def test_units_parse_decimal_and_binary_prefixes(text, parse, value):

@@ -8,12 +8,15 @@ A HetplanError becomes a one-line message on stderr and exit code 2; no tracebac
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 import warnings
+from pathlib import Path
 
 import click
 
-from hetplan import __version__
+from hetplan import __version__, progress
 from hetplan.errors import HetplanError
 
 _COMMANDS = {
@@ -47,6 +50,24 @@ def cli():
     and PCIe, optimally for a stated objective, and run the plan."""
 
 
+INSTALL_RUNTIME = {
+    "CPU": "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && pip install -e '.[runtime]'",
+    "CUDA": "pip install -e '.[runtime]'",
+}
+"""The runtime's install lines (README "Install"): the CPU wheel index keeps pip from pulling a
+multi-gigabyte CUDA build onto a machine without a GPU."""
+
+
+def require_torch(command: str) -> None:
+    """Refuse ``command`` with the install lines when torch cannot be imported."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise HetplanError(f"hetplan {command} needs the torch runtime, which is not installed; on a CPU-only "
+                           f"machine run `{INSTALL_RUNTIME['CPU']}`, on a CUDA machine `{INSTALL_RUNTIME['CUDA']}`"
+                           ) from None
+
+
 def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning(warnings.showwarning)
@@ -64,23 +85,43 @@ def _one_line_warning(show_other):
     return show
 
 
+EXIT_OK, EXIT_REGRESSION, EXIT_USER, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+"""Exit codes (README "Exit codes"): ok; ``check`` found a regression; a mistake in the input;
+a bug in hetplan; Ctrl-C."""
+_REPORT = ("please report it with the command line that triggered it (HETPLAN_TRACEBACK=1 prints the "
+           "traceback)")
+
+
 def _main(argv=None) -> int:
     try:
-        rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
+        with progress.reporting(lambda text: click.echo(f"hetplan: {text}", err=True)):
+            rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
     except HetplanError as e:
         click.echo(f"hetplan: error: {e}", err=True)
-        return 2
+        return EXIT_USER
     except click.exceptions.Abort:
-        click.echo("hetplan: aborted", err=True)
-        return 130
+        click.echo("hetplan: interrupted; nothing was written", err=True)
+        return EXIT_INTERRUPTED
+    except click.UsageError as e:  # a bad option or argument: one line, like every other mistake
+        command = e.ctx.command_path if e.ctx is not None else "hetplan"
+        click.echo(f"hetplan: error: {e.format_message()} (see `{command} --help`)", err=True)
+        return EXIT_USER
     except click.ClickException as e:
-        e.show()
-        return e.exit_code
+        click.echo(f"hetplan: error: {e.format_message()}", err=True)
+        return EXIT_USER
     except click.exceptions.Exit as e:
         return e.exit_code
     except KeyboardInterrupt:
-        click.echo("hetplan: interrupted", err=True)
-        return 130
+        click.echo("hetplan: interrupted; nothing was written", err=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug: one line, never a traceback (HETPLAN_TRACEBACK=1 shows it)
+        if os.environ.get("HETPLAN_TRACEBACK"):
+            raise
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        click.echo(f"hetplan: internal error: {type(e).__name__}: {str(e)[:300]} (at "
+                   f"{Path(where.filename).name}:{where.lineno}); this is a bug in hetplan, {_REPORT}",
+                   err=True)
+        return EXIT_INTERNAL
     return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(code) lands here
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from hetplan.errors import HetplanError
 from hetplan.plan.check import check_plan, plan_paths
 
 _EPILOG = """\b
@@ -30,21 +31,30 @@ def command(paths, tolerance, allow_placement_change, update):
     Prints one OK line per plan that passes. A plan fails when a predicted time got worse than
     the tolerance, it no longer fits in memory, or its placement changed; the command then prints
     what differs and exits with status 1."""
-    failed = 0
+    if not tolerance >= 0:
+        raise HetplanError(f"--tolerance: must be >= 0, got {tolerance}")
+    counts = {"OK": 0, "UPDATED": 0, "FAIL": 0, "ERROR": 0}
     for path in plan_paths(paths):
-        res = check_plan(path, tolerance=tolerance, allow_placement_change=allow_placement_change,
-                         update=update)
-        if res.ok:
-            verb = "UPDATED" if res.updated else "OK"
-            click.echo(f"{verb} {res.path}: {res.summary}")
-        else:
-            failed += 1
-            click.echo(f"FAIL {res.path}")
+        try:
+            res = check_plan(path, tolerance=tolerance, allow_placement_change=allow_placement_change,
+                             update=update)
+        except HetplanError as e:  # unreadable plan: report it and check the others
+            counts["ERROR"] += 1
+            click.echo(f"ERROR {path}: {e}")
+            continue
+        verb = ("UPDATED" if res.updated else "OK") if res.ok else "FAIL"
+        counts[verb] += 1
+        click.echo(f"{verb} {res.path}: {res.summary}" if res.ok else f"FAIL {res.path}")
         for line in res.failures:
             click.echo(f"  - {line}")
         for line in res.notes:
             click.echo(f"  note: {line}")
-    if failed:
+    tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    if counts["ERROR"]:  # the worst outcome wins: unreadable plans (2) over regressions (1)
+        click.echo(f"hetplan: error: {counts['ERROR']} plan(s) could not be checked (ERROR above; {tally}); "
+                   f"fix or recompile them", err=True)
+        raise click.exceptions.Exit(2)
+    if counts["FAIL"]:
         hint = "" if update else "; if the change is intended, run `hetplan check --update` and commit the plans"
-        click.echo(f"{failed} plan(s) failed{hint}", err=True)
+        click.echo(f"{counts['FAIL']} plan(s) failed ({tally}){hint}", err=True)
         raise click.exceptions.Exit(1)

@@ -15,7 +15,8 @@ import click
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.plan import write_atomic
-from hetplan.units import format_bytes, format_seconds
+from hetplan.files import writable_target
+from hetplan.units import format_bytes, format_percent, format_seconds
 
 _DTYPES = ", ".join(BITS_PER_ELEMENT)
 _DEFAULTS = {f.name: f for f in dataclasses.fields(CompileRequest)}
@@ -104,10 +105,13 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                          kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
                          max_nodes=max_nodes, mip_gap=mip_gap, stream_cold_experts=stream_cold_experts,
                          routing=routing, dump_lp=dump_lp)
+    writable_target(output, "-o")  # a bad -o fails before the solve, not after it
+    if dump_lp:
+        writable_target(dump_lp, "--dump-lp")
     plan, took = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)
-    write_atomic(output, plan.to_json())
+    write_atomic(output, plan.to_json(), option="-o")
     rows = None
     if compare:
         from hetplan.plan.compare import compare as compare_plans
@@ -122,13 +126,16 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
         click.echo(json.dumps(doc, sort_keys=True))
         return
     p, m, s = plan.predicted, plan.memory, plan.solver
-    gap = "" if s.get("mip_gap") is None else f", gap {100 * s['mip_gap']:.2g}%"
+    gap = "" if s.get("mip_gap") is None else f", gap {format_percent(s['mip_gap'])}"
     tiers = ("gpu", "cpu") if plan.hardware.gpus else ("cpu",)
     memory = ", ".join(f"{t.upper()} {format_bytes(m[f'{t}_bytes'])} / {format_bytes(m[f'{t}_budget_bytes'])}"
                        for t in tiers)
     click.echo(f"wrote {output}: TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])} "
-               f"({p['decode_tokens_per_s']:.2f} tok/s), {memory}  [{s['strategy']}, {s['status']}{gap}, "
+               f"({p['decode_tokens_per_s']:.2f} tok/s), {memory}  [{plan.model.weight_dtype} weights, "
+               f"batch {plan.workload.batch}, {s['strategy']}, {s['status']}{gap}, "
                f"compiled in {took.wall_s:.2f} s, {took.cpu_s:.2f} s CPU]")
+    if len(plan.hardware.gpus) > 1:
+        click.echo(f"  only the first of {len(plan.hardware.gpus)} GPUs is planned ({plan.hardware.gpu.name})")
     if rows is not None:
         from hetplan.plan.report import compare_table
         click.echo("")

@@ -7,7 +7,9 @@ import sys
 
 import click
 
+from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
+from hetplan.files import writable_target
 from hetplan.plan import load_plan, write_atomic
 from hetplan.units import format_bytes, format_seconds
 
@@ -17,11 +19,16 @@ class _Progress:
     at each quarter of prefill (layers done; as issued on a CUDA GPU) and of decode, and when a
     stage ends."""
 
-    def __init__(self):
+    def __init__(self, first_note: str | None = None):
         self.tty = sys.stderr.isatty()
         self.last = None
+        self.first_note = first_note
+        """Shown when the run starts (after the inputs were accepted), so a refused run says one line."""
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.first_note:
+            click.echo(f"note: {self.first_note}", err=True)
+            self.first_note = None
         label = {"loading": "loading weights", "prefill": "prefill", "decode": "decode"}[stage]
         unit = {"loading": " blocks", "prefill": " layers", "decode": " tokens"}[stage]
         line = f"{label} {done}/{total}{unit}"
@@ -57,6 +64,10 @@ class _Progress:
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
             emulate, routing_path, as_json):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
+    require_torch("exec")
+    for option, target in (("--trace", trace_path), ("--record-routing", routing_path)):
+        if target:
+            writable_target(target, option)  # before the run, not after it
     from hetplan.runtime.prompt import parse_prompt_ids
     from hetplan.runtime.session import RunOptions, choose_mode, run_plan
 
@@ -80,11 +91,12 @@ def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, g
                       prompt_ids=parse_prompt_ids(prompt_ids) if prompt_ids is not None else None,
                       gen_len=gen_len, temperature=temperature or 0.0, emulate=emulate,
                       trace=trace_path is not None, record_routing=routing_path is not None)
+    note = None
     if emulate is None and choose_mode(plan, None) == "emulated":
-        click.echo("note: no CUDA device: the plan's GPU is emulated on the CPU (--emulate)", err=True)
-    result = run_plan(plan, opts, progress=_Progress())
+        note = "no CUDA device: the plan's GPU is emulated on the CPU (--emulate)"
+    result = run_plan(plan, opts, progress=_Progress(note))
     if trace_path:
-        write_atomic(trace_path, json.dumps(result.trace) + "\n")
+        write_atomic(trace_path, json.dumps(result.trace) + "\n", option="--trace")
     if routing_path:
         from hetplan.routing import write_routing
         write_routing(routing_path, result.routing)

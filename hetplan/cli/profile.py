@@ -11,7 +11,9 @@ from pathlib import Path
 import click
 import yaml
 
+from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
+from hetplan.files import writable_target
 from hetplan.plan import write_atomic
 from hetplan.units import format_seconds
 
@@ -81,6 +83,9 @@ def measure(out: str, budget_s: float, models: tuple, progress=None, started: fl
     from hetplan.profile.checks import peak_problems, profile_problems
 
     specs = tuple(load_model(m) for m in models)
+    out_path = Path(out)
+    writable_target(out_path, "--out")
+    writable_target(out_path.with_name(out_path.stem + ".profile.json"), "--out")
     from hetplan.runtime.profiler import Budget, profile_machine
 
     out_path = Path(out)
@@ -99,8 +104,8 @@ def measure(out: str, budget_s: float, models: tuple, progress=None, started: fl
     header = (f"# Measured by `hetplan profile` on {node['name']} with {result.table.info['threads']} "
               f"threads, torch {result.table.info['torch']}.\n"
               f"# Peaks are achieved rates (efficiency 1); per-op times are in {prof_path.name}.\n")
-    write_atomic(prof_path, result.table.to_json())
-    write_atomic(out_path, header + yaml.safe_dump(node, sort_keys=False))
+    write_atomic(prof_path, result.table.to_json(), option="--out")
+    write_atomic(out_path, header + yaml.safe_dump(node, sort_keys=False), option="--out")
     return result, prof_path
 
 
@@ -119,6 +124,8 @@ def command(out, budget, models, trace, profile_path, plan_path):
     """Measure this machine (CPU, GPU, links, and the stages of --model) and write a node.yaml
     that `hetplan compile --hw` reads, with a measured per-op table the cost model prefers."""
     started = time.perf_counter()
+    if not trace:
+        require_torch("profile")
     if trace:
         _fold(trace, profile_path, plan_path)
         return

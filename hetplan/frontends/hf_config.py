@@ -17,6 +17,13 @@ _ALIASES = {"mistral": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "
             "deepseek_v2": "deepseek_v3", "deepseek_r1": "deepseek_v3"}
 
 
+MAX_DIM = 1 << 24
+"""Largest integer a config key may hold (16.7 M: above any layer count, width, vocabulary or
+context a model has had); beyond it a value is a typo, not a model."""
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""The checkpoint dtypes ``torch_dtype`` may name (absent: fp16)."""
+
+
 def load_config_file(path: str | Path) -> dict:
     """Read a config.json (or a directory holding one) into a dict, with readable errors."""
     p = Path(path)
@@ -31,10 +38,12 @@ def load_config_file(path: str | Path) -> dict:
 def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.json",
                      weight_dtype: str | None = None, kv_dtype: str | None = None) -> ModelSpec:
     """Build a ModelSpec from a parsed HF config dict."""
+    if not isinstance(cfg, dict):
+        raise HetplanError(f"{source}: expected a JSON object at the top level")
     mt = cfg.get("model_type")
     if mt is None:
         raise HetplanError(f"{source}: missing key 'model_type'")
-    arch = _ALIASES.get(mt)
+    arch = _ALIASES.get(mt) if isinstance(mt, str) else None
     if arch is None:
         raise HetplanError(f"{source}: model_type {mt!r} is not supported; supported: "
                            f"{', '.join(sorted(_ALIASES))}")
@@ -47,12 +56,24 @@ def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.j
         v = cfg[key]
         if kind is int and not (isinstance(v, int) and not isinstance(v, bool)):
             raise HetplanError(f"{source}: key {key!r} must be an integer, got {v!r}")
-        if kind is float and not isinstance(v, (int, float)):
+        if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise HetplanError(f"{source}: key {key!r} must be a number, got {v!r}")
+        if kind is int:
+            low = 0 if default == 0 else 1  # keys that default to 0 (counts of optional parts) may be 0
+            if v < low:
+                what = "a positive integer" if low else "an integer >= 0"
+                raise HetplanError(f"{source}: key {key!r} must be {what}, got {v!r}")
+            if v > MAX_DIM:
+                raise HetplanError(f"{source}: key {key!r} is {v}, above {MAX_DIM} (larger than any model "
+                                   f"has); check the value")
+        if kind is float and not 0 < v < float("inf"):
+            raise HetplanError(f"{source}: key {key!r} must be a positive finite number, got {v!r}")
         return v
 
     name = name or cfg.get("_name_or_path") or mt
-    native = _dtype_name(cfg.get("torch_dtype") or cfg.get("dtype"))
+    if not isinstance(name, str) or not isinstance(mt, str):
+        raise HetplanError(f"{source}: model_type and _name_or_path must be strings")
+    native = _dtype_name(cfg.get("torch_dtype") or cfg.get("dtype"), source)
     # the KV cache keeps the checkpoint's dtype when only the weights are requantised
     kw = dict(name=name, arch=arch, weight_dtype=weight_dtype or native, kv_dtype=kv_dtype or native)
     builder = {"opt": _opt, "gpt2": _gpt2}.get(arch, _llama_like)
@@ -64,8 +85,14 @@ def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.j
         raise HetplanError(msg if msg.startswith(f"{source}: ") else f"{source}: {msg}") from None
 
 
-def _dtype_name(torch_dtype) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(torch_dtype), "fp16")
+def _dtype_name(torch_dtype, source: str = "config.json") -> str:
+    if torch_dtype is None:
+        return "fp16"
+    name = str(torch_dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise HetplanError(f"{source}: torch_dtype {torch_dtype!r} is not a checkpoint dtype hetplan reads; "
+                           f"accepted: {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def _rope(get, cfg) -> tuple[float, dict | None]:

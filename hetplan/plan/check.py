@@ -42,17 +42,19 @@ class CheckResult:
         return not self.failures
 
 
-def plan_paths(args) -> list:
-    """Expand PLAN.json files and directories (their ``*.json``, sorted) into plan paths."""
+def plan_paths(args, strict: bool = True) -> list:
+    """Expand PLAN.json files and directories (their ``*.json``, sorted) into plan paths. With
+    ``strict=False`` a path that is missing (or a directory without plans) is kept, so that the
+    caller reports it beside the other plans instead of stopping at it."""
     paths = []
     for a in args:
         p = Path(a)
         if p.is_dir():
-            found = sorted(p.glob("*.json"))
-            if not found:
+            found = sorted(q for q in p.glob("*.json") if not q.name.startswith("."))
+            if not found and strict:
                 raise HetplanError(f"{p}: no *.json plans in this directory")
-            paths += found
-        elif p.is_file():
+            paths += found or ([] if strict else [p])
+        elif p.is_file() or not strict:
             paths.append(p)
         else:
             raise HetplanError(f"{p}: no such plan file or directory")
@@ -72,7 +74,30 @@ def request_of(plan: Plan, source: str) -> CompileRequest:
     if unknown:
         raise HetplanError(f"{source}: inputs.cli_args has unknown keys {sorted(unknown)}; accepted: "
                            f"{sorted(known)}")
-    return CompileRequest(**args)
+    try:
+        req = CompileRequest(**args)
+    except TypeError as e:
+        raise HetplanError(f"{source}: inputs.cli_args is malformed ({e}); recompile it with `hetplan compile`") from None
+    return _relative_to_plan(req, Path(source).parent)
+
+
+def _relative_to_plan(req: CompileRequest, folder: Path) -> CompileRequest:
+    """Resolve a recorded relative ``--hw`` path (and MODEL path, when it does not exist from here)
+    against the plan's own directory, so ``check`` works from any directory; presets, absolute
+    paths and paths that exist from the working directory are kept."""
+    from hetplan.presets.nodes import NODE_PRESETS
+
+    changes = {}
+    for key in ("hw", "model"):
+        value = getattr(req, key)
+        if not isinstance(value, str):
+            raise HetplanError(f"inputs.cli_args.{key}: expected a string, got {value!r}; recompile the plan")
+        if key == "hw" and value in NODE_PRESETS:
+            continue
+        here, there = Path(value), folder / value
+        if not here.is_absolute() and not here.exists() and there.exists():
+            changes[key] = str(there)
+    return dataclasses.replace(req, **changes) if changes else req
 
 
 def latency_diffs(old: Plan, new: Plan, tolerance: float) -> tuple:
@@ -141,6 +166,8 @@ def check_plan(path, tolerance: float = 0.01, allow_placement_change: bool = Fal
     if tolerance < 0:
         raise HetplanError(f"--tolerance: must be >= 0, got {tolerance}")
     path = Path(path)
+    if path.is_dir():
+        raise HetplanError(f"{path}: no *.json plans in this directory")
     old = load_plan(path, verify=False)
     recorded = path.read_text()
     req = request_of(old, str(path))
@@ -148,6 +175,12 @@ def check_plan(path, tolerance: float = 0.01, allow_placement_change: bool = Fal
         new, _ = compile_plan(req)
     except HetplanError as e:  # memory over budget (InfeasibleError) or inputs that no longer load
         return CheckResult(str(path), (f"no longer compiles: {e}",), (), "")
+    # the plan keeps its inputs as recorded (relative paths stay relative)
+    recorded_args = old.inputs.get("cli_args", {})
+    new = dataclasses.replace(new, inputs={
+        **new.inputs, "model_source": old.inputs.get("model_source", req.model),
+        "hw_source": old.inputs.get("hw_source", req.hw),
+        "cli_args": {**new.inputs["cli_args"], "hw": recorded_args.get("hw"), "model": recorded_args.get("model")}})
     text = new.to_json()
     if update:
         changed = text != recorded

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetplan.canonical import rounded
 from hetplan.errors import HetplanError
+from hetplan.files import write_atomic  # noqa: F401  (re-exported: the one writer)
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 from hetplan.workload import Workload
@@ -176,7 +175,7 @@ class Plan:
                        predicted=d["predicted"], schedule=sched, inputs=d.get("inputs", {}))
         except HetplanError as e:
             raise HetplanError(f"{source}: {e}") from None
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
             raise HetplanError(f"{source}: malformed plan ({type(e).__name__}: {e}); "
                                f"recompile it with `hetplan compile`") from None
 
@@ -205,22 +204,3 @@ def load_plan(path: str | Path, verify: bool = True) -> Plan:
     except (OSError, UnicodeDecodeError) as e:
         raise HetplanError(f"{p}: cannot read the plan ({e})") from None
     return Plan.from_json(text, source=str(p), verify=verify)
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename: readers never see half a file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the user's usual mode
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

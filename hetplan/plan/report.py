@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetplan.plan import Plan
-from hetplan.units import format_bytes, format_seconds
+from hetplan.units import format_bytes, format_percent, format_seconds
 
 
 def format_table(headers: list, rows: list, right: set = frozenset()) -> str:
@@ -38,6 +38,8 @@ class BlockRun:
     experts_on_gpu: int | None
     weight_bytes: float
     kv_bytes: float
+    cold_bytes: float = 0.0
+    """Of ``weight_bytes``, the cold experts left in DRAM (an MoE run whose weights are ``gpu``)."""
 
     @property
     def label(self) -> str:
@@ -54,15 +56,18 @@ def block_runs(plan: Plan) -> list:
         cur = open_run.get(p["kind"])
         if cur and p["layer"] is not None and cur["layer"] == p["layer"] - 1 and cur["key"] == key:
             cur.update(last=p["block"], layer=p["layer"], count=cur["count"] + 1,
-                       weight_bytes=cur["weight_bytes"] + p["weight_bytes"], kv_bytes=cur["kv_bytes"] + p["kv_bytes"])
+                       weight_bytes=cur["weight_bytes"] + p["weight_bytes"], kv_bytes=cur["kv_bytes"] + p["kv_bytes"],
+                       cold_bytes=cur["cold_bytes"] + (p.get("cold_expert_bytes") or 0))
             continue
         cur = {"first": p["block"], "last": p["block"], "layer": p["layer"], "count": 1, "key": key,
-               "weight_bytes": p["weight_bytes"], "kv_bytes": p["kv_bytes"]}
+               "weight_bytes": p["weight_bytes"], "kv_bytes": p["kv_bytes"],
+               "cold_bytes": p.get("cold_expert_bytes") or 0}
         open_run[p["kind"]] = cur
         runs.append(cur)
     return [BlockRun(first=r["first"], last=r["last"], count=r["count"], weights=r["key"][0],
                      prefill=r["key"][1], decode=r["key"][2], kv=r["key"][3], experts_on_gpu=r["key"][4],
-                     weight_bytes=r["weight_bytes"], kv_bytes=r["kv_bytes"]) for r in runs]
+                     weight_bytes=r["weight_bytes"], kv_bytes=r["kv_bytes"],
+                     cold_bytes=r["cold_bytes"] if r["key"][0] == "gpu" else 0.0) for r in runs]
 
 
 def block_table(plan: Plan) -> str:
@@ -73,7 +78,10 @@ def block_table(plan: Plan) -> str:
         headers.append("experts on gpu")
     rows = []
     for r in runs:
-        row = [r.label, r.count, r.weights, r.prefill, r.decode, r.kv or "-", format_bytes(r.weight_bytes),
+        # a resident MoE run's cold experts live in DRAM: the gpu figure counts only what is in HBM
+        weight = format_bytes(r.weight_bytes - r.cold_bytes) + (f" + {format_bytes(r.cold_bytes)} cpu"
+                                                                 if r.cold_bytes else "")
+        row = [r.label, r.count, r.weights, r.prefill, r.decode, r.kv or "-", weight,
                format_bytes(r.kv_bytes) if r.kv else "-"]
         if moe:
             row.append("-" if r.experts_on_gpu is None else r.experts_on_gpu)
@@ -136,7 +144,7 @@ def solver_line(plan: Plan) -> str:
     gap = s.get("mip_gap")
     parts = [f"strategy {s['strategy']}", f"status {s['status']}"]
     if gap is not None:
-        parts.append(f"MIP gap {100 * gap:.4g}%")
+        parts.append(f"MIP gap {format_percent(gap)}")
     if s.get("lower_bound_s") is not None:
         minimised = "latency" if plan.workload.objective == "throughput" else plan.workload.objective
         parts.append(f"MILP bound on {minimised} {format_seconds(s['lower_bound_s'])}")
@@ -161,7 +169,9 @@ def header_lines(plan: Plan) -> list:
     return [f"{m.name} ({m.arch}, {m.n_layers} layers, weights {m.weight_dtype}, KV {m.kv_dtype}) "
             f"on {hw.name} ({gpu}; CPU {hw.cpu.name})",
             f"workload: batch {wl.batch}, prompt {wl.prompt_len}, generate {wl.gen_len}, objective {wl.objective}",
-            solver_line(plan), staging]
+            solver_line(plan), staging] + (
+        [f"note: only the first of the node's {len(hw.gpus)} GPUs ({hw.gpus[0].name}) is planned; the others stay idle"]
+        if len(hw.gpus) > 1 else [])
 
 
 def render_show(plan: Plan) -> str:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import tempfile
 from html import escape
 from pathlib import Path
 
@@ -26,11 +24,20 @@ SOURCES = ("predicted", "measured")
 
 KIND_COLORS = {
     "embed": "#8c564b", "attn_in": "#1f77b4", "attn_core": "#17becf", "attn_out": "#aec7e8",
-    "mlp": "#2ca02c", "moe": "#98df8a", "head": "#9467bd",
+    "mlp": "#2ca02c", "moe": "#98df8a", "moe_route": "#bcbd22", "moe_experts": "#dbdb8d",
+    "moe_cold": "#c49c94", "moe_merge": "#9edae5", "head": "#9467bd",
     "load": "#ff7f0e", "act_up": "#e377c2", "act_down": "#f7b6d2", "kv_down": "#d62728",
 }
 """Fill colour per task kind (stages greens/blues, transfers warm colours)."""
 _OTHER_COLOR = "#7f7f7f"
+
+
+def legend(panels) -> list:
+    """(kind, colour) for the task kinds that occur in ``panels``, in KIND_COLORS order (a kind
+    without a colour of its own last, as ``other``)."""
+    kinds = {k for _, _, rows in panels for _, tasks in rows for _, _, k, _ in tasks}
+    shown = [(k, c) for k, c in KIND_COLORS.items() if k in kinds]
+    return shown + ([("other", _OTHER_COLOR)] if kinds - set(KIND_COLORS) else [])
 
 
 # -- Chrome / Perfetto trace -----------------------------------------------------------------
@@ -107,7 +114,7 @@ def trace_document(predicted_events, measured_events=None) -> dict:
 
 
 def write_trace(plan: Plan, path: str | Path) -> None:
-    write_atomic(path, json.dumps(plan_trace_events(plan), sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(plan_trace_events(plan), sort_keys=True) + "\n", option="--trace")
 
 
 # -- Gantt chart ---------------------------------------------------------------------------
@@ -183,7 +190,7 @@ def render_svg(plan: Plan) -> str:
                        f'{tick_label(tick, span_s)}</text>')
         y += _AXIS
     x = _LEFT
-    for kind, color in KIND_COLORS.items():
+    for kind, color in legend(panels):
         out.append(f'<rect x="{x}" y="{y}" width="12" height="12" fill="{color}"/>')
         out.append(f'<text x="{x + 16}" y="{y + 10}" font-size="11">{kind}</text>')
         x += 16 + 8 * len(kind) + 14
@@ -217,33 +224,21 @@ def render_png(plan: Plan, path: str | Path) -> None:
         ax.set_xlabel("seconds")
         ax.set_title(f"{phase}: {format_seconds(span_s)}", loc="left", fontsize=10)
     fig.suptitle(f"{plan.model.name} on {plan.hardware.name} ({plan.solver.get('strategy')})")
-    fig.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()],
-               loc="lower center", ncol=len(KIND_COLORS), fontsize=8, frameon=False)
+    shown = legend(panels)
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in shown],
+               loc="lower center", ncol=max(1, len(shown)), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    _write_bytes_atomic(path, buf.getvalue())
-
-
-def _write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, buf.getvalue(), option="--timeline")
 
 
 def write_timeline(plan: Plan, path: str | Path) -> None:
     """Draw the plan's predicted schedule to ``path``: ``.svg`` (no dependencies) or ``.png``."""
     suffix = Path(path).suffix.lower()
     if suffix == ".svg":
-        write_atomic(path, render_svg(plan))
+        write_atomic(path, render_svg(plan), option="--timeline")
     elif suffix == ".png":
         render_png(plan, path)
     else:

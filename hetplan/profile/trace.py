@@ -106,5 +106,5 @@ def fold_trace_file(trace_path: str, profile_path: str, plan_path: str | None) -
     if problems:
         raise HetplanError(f"{p}: refusing to fold impossible task times into {profile_path}: "
                            + "; ".join(problems))
-    write_atomic(profile_path, folded.to_json())
+    write_atomic(profile_path, folded.to_json(), option="--profile")
     return used, points

@@ -11,7 +11,10 @@ import contextlib
 import os
 import sys
 
+import highspy
 import pulp
+
+from hetplan import progress
 
 from hetplan.graph import PHASES
 
@@ -167,7 +170,9 @@ def run_highs(prob: pulp.LpProblem, solver) -> tuple[str, object]:
     with stdout_silenced():
         solver.createAndConfigureSolver(prob)
         solver.buildSolverModel(prob)
-        solver.callSolver(prob)
+        with progress.interruptible() as flag:
+            _watch(prob.solverModel, prob.name, flag)
+            solver.callSolver(prob)
     h = prob.solverModel
     if h.getInfo().primal_solution_status == 2:
         values = h.getSolution().col_value
@@ -175,6 +180,24 @@ def run_highs(prob: pulp.LpProblem, solver) -> tuple[str, object]:
             v.varValue = values[v.index]
     text = h.modelStatusToString(h.getModelStatus())
     return STATUS.get(text, text.lower().replace(" ", "_")), h.getInfo()
+
+
+def _watch(h, label: str, flag) -> None:
+    """Subscribe HiGHS's interrupt callbacks: stop when Ctrl-C was pressed (``flag``), and every
+    few seconds of a long MILP note its nodes, incumbent and bound (``hetplan.progress``)."""
+    ticker = progress.Ticker()
+
+    def poll(e):
+        if flag.requested:
+            e.interrupt()
+        elif e.callback_type == highspy.cb.HighsCallbackType.kCallbackMipInterrupt and ticker.due():
+            d = e.data_out
+            inc = f"{d.mip_primal_bound:.6g} ms" if abs(d.mip_primal_bound) < 1e300 else "none yet"
+            progress.note(f"MILP {label}: {ticker.elapsed_s:.0f} s, {int(d.mip_node_count)} nodes, "
+                          f"incumbent {inc}, bound {d.mip_dual_bound:.6g} ms")
+
+    for event in (h.cbMipInterrupt, h.cbSimplexInterrupt, h.cbIpmInterrupt):
+        event.subscribe(poll)
 
 
 @contextlib.contextmanager

@@ -107,7 +107,10 @@ def test_compare_lists_the_moe_baselines(files, tmp_path):
 @pytest.mark.parametrize("strategy", ["cpu-moe", "n-cpu-moe:1"])
 def test_moe_baselines_compile(files, tmp_path, strategy):
     out = tmp_path / "p.json"
-    proc = hetplan("compile", files / "model", "--hw", files / "node.yaml", "--gpu-mem", "1GiB",
+    # a GPU with 1 GiB usable (--gpu-mem may not exceed the card, so the node itself is larger)
+    big = tmp_path / "big.yaml"
+    big.write_text(NODE.replace("memory: 130MiB", "memory: 1100MiB"))
+    proc = hetplan("compile", files / "model", "--hw", big, "--gpu-mem", "1GiB",
                    "--prompt-len", "128", "--gen-len", "32", "--strategy", strategy, "-o", out)
     assert proc.returncode == 0, proc.stderr
     hot = [p["experts_on_gpu"] for p in json.loads(out.read_text())["placement"] if p["kind"] == "moe"]

@@ -10,7 +10,9 @@ logits, as decoder-with-past exports do. Exports are cached per process.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -64,7 +66,9 @@ def _export(family: str, with_past: bool, frozen_sizes: tuple) -> tuple:
     sizes = dict(frozen_sizes)
     cfg, model = _model(family, sizes)
     params = {k: tuple(v.shape) for k, v in model.named_parameters()}
-    out = Path(tempfile.mkdtemp(prefix=f"hetplan-onnx-{family}-")) / f"{family}{'_past' if with_past else ''}.onnx"
+    folder = tempfile.mkdtemp(prefix=f"hetplan-onnx-{family}-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the suite leaves no temp folders behind
+    out = Path(folder) / f"{family}{'_past' if with_past else ''}.onnx"
     n_layers = cfg.num_hidden_layers
     kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
     head_dim = cfg.hidden_size // cfg.num_attention_heads

@@ -1,0 +1,113 @@
+"""What to say when nothing fits: which tier lacks how many bytes, and fixes that would work.
+
+Every suggested fix is computed: a weight dtype is named only when the model fits in it, a
+batch or context only when it fits at that size, memory as the amount that would be enough.
+Knows budgets and byte counts; it builds problems to test candidate fixes, nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetplan.dtypes import BITS_PER_ELEMENT
+from hetplan.problem import Problem, build_problem
+from hetplan.units import format_bytes
+
+
+def fits_at_all(problem: Problem) -> bool:
+    """A necessary condition for feasibility: everything fits in GPU + CPU together
+    (weights + KV + workspaces <= GPU budget + CPU budget; all-CPU when the GPU cannot even hold
+    its workspace)."""
+    need = sum(b.weight_bytes + b.kv_bytes for b in problem.blocks) + problem.cpu_workspace_bytes
+    if problem.gpu_workspace_bytes <= problem.gpu_budget_bytes:
+        return need + problem.gpu_workspace_bytes <= problem.gpu_budget_bytes + problem.cpu_budget_bytes
+    return need <= problem.cpu_budget_bytes
+
+
+def _variant(problem: Problem, spec=None, **workload) -> Problem:
+    wl = dataclasses.replace(problem.workload, **workload)
+    return build_problem(spec or problem.model, problem.hw, wl, routing=problem.routing)
+
+
+def fixes(problem: Problem, strategy: str = "ilp") -> list:
+    """Changes that would make ``problem`` fit, each checked with ``fits_at_all``."""
+    spec, wl = problem.model, problem.workload
+    out = []
+    if strategy != "ilp":
+        out.append("--strategy ilp (it places what fits, streaming or computing the rest on the CPU)")
+    if not fits_at_all(problem):
+        smaller = sorted((d for d in BITS_PER_ELEMENT if BITS_PER_ELEMENT[d] < BITS_PER_ELEMENT[spec.weight_dtype]),
+                         key=lambda d: -BITS_PER_ELEMENT[d])
+        for dtype in smaller:
+            cand = _variant(problem, spec.with_dtypes(weight_dtype=dtype, kv_dtype=spec.kv_dtype))
+            if fits_at_all(cand):
+                w = sum(b.weight_bytes for b in cand.blocks)
+                out.append(f"--weight-dtype {dtype} (weights {format_bytes(w)})")
+                break
+        batch = wl.batch // 2
+        while batch >= 1:
+            if fits_at_all(_variant(problem, batch=batch)):
+                out.append(f"--batch {batch}")
+                break
+            batch //= 2
+        if wl.prompt_len > 16 and fits_at_all(_variant(problem, prompt_len=16, gen_len=min(wl.gen_len, 16))):
+            lo, hi = 16, wl.prompt_len  # the longest prompt that fits, by bisection on the token count
+            while hi - lo > max(1, wl.prompt_len // 64):
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits_at_all(_variant(problem, prompt_len=mid)) else (lo, mid)
+            if lo < wl.prompt_len and fits_at_all(_variant(problem, prompt_len=lo)):
+                out.append(f"--prompt-len {lo}")
+    need = sum(b.weight_bytes + b.kv_bytes for b in problem.blocks) + problem.cpu_workspace_bytes \
+        + problem.gpu_workspace_bytes
+    more = need - problem.gpu_budget_bytes - problem.cpu_budget_bytes
+    if more > 0:
+        out.append(f"--cpu-mem {_round_up_gib(problem.cpu_budget_bytes + more)} (if the machine has that much DRAM)")
+    return out
+
+
+def _round_up_gib(n: float) -> str:
+    return f"{-(-int(n) // 2**30)}GiB"
+
+
+def diagnose(problem: Problem, strategy: str = "ilp") -> str:
+    """Say which tier lacks how many bytes, and what would fix it."""
+    weights = sum(b.weight_bytes for b in problem.blocks)
+    kv = sum(b.kv_bytes for b in problem.blocks)
+    ws = problem.gpu_workspace_bytes + problem.cpu_workspace_bytes
+    have = problem.gpu_budget_bytes + problem.cpu_budget_bytes
+    need = weights + kv + ws
+    spec, wl = problem.model, problem.workload
+    lines = [f"no placement fits: weights {format_bytes(weights)} ({spec.weight_dtype}) + KV cache "
+             f"{format_bytes(kv)} (batch {wl.batch} x {wl.context_len} tokens) + workspace {format_bytes(ws)}"
+             f" = {format_bytes(need)}, but GPU {format_bytes(problem.gpu_budget_bytes)} + CPU "
+             f"{format_bytes(problem.cpu_budget_bytes)} = {format_bytes(have)} are available"]
+    if need > have:
+        lines.append(f"missing {format_bytes(need - have)} in total")
+    elif problem.gpu_workspace_bytes > problem.gpu_budget_bytes:
+        lines.append(f"the GPU budget is smaller than one forward pass's activation workspace "
+                     f"({format_bytes(problem.gpu_workspace_bytes)} for batch {wl.batch} x prompt "
+                     f"{wl.prompt_len}), so only an all-CPU plan is possible and the CPU lacks "
+                     f"{format_bytes(weights + kv + problem.cpu_workspace_bytes - problem.cpu_budget_bytes)}")
+    else:
+        lines.append("the CPU tier cannot hold what the GPU cannot")
+    found = fixes(problem, strategy)
+    lines.append("each of these would fit: " + ", ".join(found) if found else
+                 "no smaller weight dtype, batch or prompt fits: use a machine with more memory")
+    return "; ".join(lines)
+
+
+def over_budget(plan, problem: Problem) -> str:
+    """A plan that exceeds a tier's budget: by how much, and fixes that would work."""
+    m = plan.memory
+    parts = []
+    for tier in ("gpu", "cpu"):
+        used, budget = m[f"{tier}_bytes"], m[f"{tier}_budget_bytes"]
+        if used > budget:
+            parts.append(f"{tier.upper()} needs {format_bytes(used - budget)} more "
+                         f"({format_bytes(used)} > budget {format_bytes(budget)})")
+    strategy = str(plan.solver.get("strategy", "ilp")).partition(":")[0]
+    found = fixes(problem, strategy)
+    if strategy != "ilp" and len(found) > 1:
+        found = [found[0] + " with one of " + ", ".join(found[1:])]
+    tail = (": use " + ", or ".join(found)) if found else ": give the machine more memory"
+    return "; ".join(parts) + tail

@@ -1,0 +1,234 @@
+"""The node.yaml schema: every accepted key, its unit, its physical range and its default.
+
+One pydantic model per mapping, strict: an unknown key at any depth is refused with the accepted
+keys listed, a size or rate must carry its unit (``24GiB``, ``25GB/s``, ``165TFLOPS``), and each
+value must be physically possible (no GPU larger than any sold, no link faster than any built).
+``node_keys_table`` renders the same models as the README's key table, so the two cannot drift.
+Knows nothing about planning: ``hetplan.hardware`` turns a validated ``Node`` into a
+HardwareSpec.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from hetplan.units import format_bytes, quantity
+
+_GB, _TB = 1e9, 1e12
+
+
+def _unit(what: str, low: float, high: float, why: str, zero_ok: bool = False):
+    """A quantity with a unit (``units.quantity``) in ``[low, high]``; ``why`` says what the upper
+    bound is (shown in errors and in the README table)."""
+    def check(v):
+        if zero_ok and isinstance(v, str) and re.fullmatch(r"\s*0*\.?0+\s*(Ki|Mi|Gi|Ti|Pi|[kKMGTP])?B\s*", v):
+            return 0.0
+        x = quantity(v, what)
+        if x < low:
+            raise ValueError(f"{v!r} is below {_show(what, low)}, the smallest plausible value")
+        if x > high:
+            raise ValueError(f"{v!r} is above {_show(what, high)}: {why}")
+        return x
+    return Annotated[float, BeforeValidator(check),
+                     Field(json_schema_extra={"unit": what, "range": f"{_show(what, low)} .. {_show(what, high)}"})]
+
+
+def _show(what: str, x: float) -> str:
+    if what == "a size":
+        return format_bytes(x).replace(" ", "")
+    if what == "a bandwidth":
+        return f"{x / _TB:g}TB/s" if x >= _TB else f"{x / _GB:g}GB/s" if x >= _GB else f"{x / 1e6:g}MB/s"
+    return f"{x / 1e15:g}PFLOPS" if x >= 1e15 else f"{x / _TB:g}TFLOPS" if x >= _TB else f"{x / 1e6:g}MFLOPS"
+
+
+GpuMemory = _unit("a size", 2**20, 2**40, "no GPU sold holds more than 288 GB")
+CpuMemory = _unit("a size", 2**20, 2**46, "larger than any single machine's DRAM (64 TiB)")
+Reserve = _unit("a size", 0, 2**46, "larger than any machine's memory", zero_ok=True)
+MemBandwidth = _unit("a bandwidth", 1e6, 20 * _TB, "no memory is faster than about 8 TB/s (HBM3e)")
+LinkBandwidth = _unit("a bandwidth", 1e6, 2 * _TB, "no CPU-GPU link is faster than about 900 GB/s "
+                      "(NVLink-C2C); PCIe 5.0 x16 is 64 GB/s")
+FlopRate = _unit("a FLOP rate", 1e6, 1e17, "no device computes more than about 20 PFLOPS dense")
+Fraction = Annotated[float, Field(gt=0, le=1, json_schema_extra={"range": "(0, 1]"})]
+TaskSeconds = Annotated[float, Field(ge=0, le=1, json_schema_extra={"range": "0 .. 1 s"})]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Flops(_Strict):
+    """Peak FLOP/s by compute dtype; at least one of fp32, fp16, bf16 (the dtypes plans compute in)."""
+    fp32: FlopRate | None = Field(None, description="peak fp32 rate")
+    tf32: FlopRate | None = Field(None, description="peak tf32 tensor rate (recorded, not planned with)")
+    fp16: FlopRate | None = Field(None, description="peak fp16 rate (bf16 falls back to it)")
+    bf16: FlopRate | None = Field(None, description="peak bf16 rate (fp16 falls back to it)")
+    fp8: FlopRate | None = Field(None, description="peak fp8 rate (recorded, not planned with)")
+    int8: FlopRate | None = Field(None, description="peak int8 rate (recorded, not planned with)")
+
+    @model_validator(mode="after")
+    def _planned_dtype(self):
+        if self.fp32 is None and self.fp16 is None and self.bf16 is None:
+            raise ValueError("needs a rate for fp32, fp16 or bf16 (plans compute in those; fp8/int8 "
+                             "rates are not used for them), e.g. {bf16: 165TFLOPS, fp32: 82TFLOPS}")
+        return self
+
+
+class Gpu(_Strict):
+    name: str = Field("gpu", description="shown in plans")
+    memory: GpuMemory = Field(description="total HBM; the reserve is subtracted")
+    mem_bandwidth: MemBandwidth = Field(description="HBM bandwidth")
+    flops: Flops = Field(description="peak rates by dtype")
+    cores: Annotated[int, Field(ge=0, le=100000)] = Field(0, description="SMs (recorded, not planned with)")
+
+
+class Cpu(_Strict):
+    name: str = Field("cpu", description="shown in plans")
+    cores: Annotated[int, Field(ge=0, le=4096)] = Field(0, description="physical cores")
+    memory: CpuMemory = Field(description="total DRAM; the reserve is subtracted")
+    mem_bandwidth: MemBandwidth = Field(description="DRAM bandwidth (STREAM-class)")
+    flops: Flops = Field(description="peak rates by dtype")
+
+
+class Links(_Strict):
+    h2d: LinkBandwidth = Field(description="pinned host-to-device copy bandwidth")
+    d2h: LinkBandwidth | None = Field(None, description="device-to-host; defaults to h2d")
+
+
+class Reserves(_Strict):
+    gpu: Reserve = Field(float(1 << 30), description="GPU memory kept free (CUDA context, fragmentation)")
+    cpu: Reserve = Field(float(4 << 30), description="DRAM kept free (OS, the runtime itself)")
+
+
+class Efficiency(_Strict):
+    gpu_mem: Fraction = Field(0.85, description="achieved / peak HBM bandwidth")
+    cpu_mem: Fraction = Field(0.7, description="achieved / peak DRAM bandwidth")
+    link: Fraction = Field(0.9, description="achieved / stated link bandwidth")
+    gpu_flops: Fraction = Field(0.7, description="achieved / peak GPU FLOP/s")
+    cpu_flops: Fraction = Field(0.5, description="achieved / peak CPU FLOP/s")
+
+
+class Latency(_Strict):
+    gpu_task: TaskSeconds = Field(20e-6, description="fixed cost of one GPU task, seconds")
+    cpu_task: TaskSeconds = Field(20e-6, description="fixed cost of one CPU task, seconds")
+    link_task: TaskSeconds = Field(10e-6, description="fixed cost of one copy, seconds")
+
+
+class Price(_Strict):
+    per_hour: Annotated[float, Field(gt=0, le=10000)] = Field(description="machine cost per hour")
+
+
+class Node(_Strict):
+    name: str | None = Field(None, description="shown in plans (default: the file's name)")
+    gpus: list[Gpu] = Field(default_factory=list, description="empty or absent: a CPU-only node; "
+                            "plans use the first GPU only")
+    cpu: Cpu = Field(description="the host")
+    links: Links | None = Field(None, description="required when there is a GPU")
+    reserve: Reserves = Field(default_factory=Reserves, description="memory kept free per tier")
+    efficiency: Efficiency = Field(default_factory=Efficiency, description="achieved fraction of each peak")
+    latency: Latency = Field(default_factory=Latency, description="per-task fixed costs")
+    price: Price | None = Field(None, description="`show` then reports tokens per dollar")
+    profile: str | None = Field(None, description="node.profile.json path, relative to this file")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.gpus and self.links is None:
+            raise ValueError("a node with a GPU needs 'links' (e.g. links: {h2d: 25GB/s})")
+        if self.gpus and self.reserve.gpu >= self.gpus[0].memory:
+            raise ValueError(f"reserve.gpu ({format_bytes(self.reserve.gpu)}) leaves nothing of the GPU's "
+                             f"{format_bytes(self.gpus[0].memory)}; lower it")
+        if self.reserve.cpu >= self.cpu.memory:
+            raise ValueError(f"reserve.cpu ({format_bytes(self.reserve.cpu)}) leaves nothing of the CPU's "
+                             f"{format_bytes(self.cpu.memory)}; lower it")
+        return self
+
+
+SECTIONS = (("", Node), ("gpus[]", Gpu), ("cpu", Cpu), ("*.flops", Flops), ("links", Links),
+            ("reserve", Reserves), ("efficiency", Efficiency), ("latency", Latency), ("price", Price))
+"""Where each model sits in a node.yaml (``gpus[]``: every item of the list)."""
+
+
+def submodel(model: type, key) -> type | None:
+    """The model of ``model``'s field ``key`` (through lists and optionals), or None."""
+    field = model.model_fields.get(key) if isinstance(key, str) else None
+    return None if field is None else submodel_type(field.annotation)
+
+
+def submodel_type(annotation) -> type | None:
+    """The pydantic model inside ``annotation`` (through lists, optionals, Annotated), or None."""
+    stack = [annotation]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+        stack.extend(typing.get_args(t))
+    return None
+
+
+def _extra(field) -> dict:
+    """The ``json_schema_extra`` of a field and of the Annotated types inside its annotation."""
+    extra = dict(field.json_schema_extra or {})
+    metadata = list(field.metadata)
+    stack = [field.annotation]
+    while stack:
+        t = stack.pop()
+        if typing.get_origin(t) is Annotated:
+            metadata += list(t.__metadata__)
+        stack.extend(typing.get_args(t))
+    for m in metadata:
+        extra.update(getattr(m, "json_schema_extra", None) or {})
+    return extra
+
+
+def _type_of(name: str, field) -> str:
+    extra = _extra(field)
+    if "unit" in extra:
+        return {"a size": "size (`24GiB`)", "a bandwidth": "rate (`25GB/s`)",
+                "a FLOP rate": "rate (`165TFLOPS`)"}[extra["unit"]]
+    t = field.annotation
+    if typing.get_origin(t) is list:
+        return "list"
+    if submodel_type(t) is not None:
+        return "mapping"
+    names = {int: "integer", float: "number", str: "string"}
+    for cand, label in names.items():
+        if t is cand or cand in typing.get_args(t):
+            return label
+    if typing.get_origin(t) is list:
+        return "list"
+    return "mapping"
+
+
+def range_of(field) -> str:
+    """A field's accepted range as the README shows it ('(0, 1]', '1GB/s .. 20TB/s')."""
+    extra = _extra(field)
+    if "range" in extra:
+        return extra["range"]
+    bounds = [(getattr(m, a), sym) for m in field.metadata
+              for a, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, a, None) is not None]
+    return ", ".join(f"{sym} {v:g}" for v, sym in bounds)
+
+
+def _default_of(field) -> str:
+    if field.is_required():
+        return "required"
+    if field.default_factory is not None or field.default is None:
+        return ""
+    d = field.default
+    if isinstance(d, float) and d >= 2**20:
+        return format_bytes(d).replace(" ", "")
+    return f"{d:g}" if isinstance(d, float) else str(d)
+
+
+def node_keys_table() -> str:
+    """The README's node.yaml key table, generated from the models above."""
+    lines = ["| key | type | range | default | meaning |", "| --- | --- | --- | --- | --- |"]
+    for prefix, model in SECTIONS:
+        for name, field in model.model_fields.items():
+            key = f"{prefix}.{name}" if prefix else name
+            lines.append(f"| `{key}` | {_type_of(name, field)} | {range_of(field)} | {_default_of(field)} | "
+                         f"{field.description or ''} |")
+    return "\n".join(lines) + "\n"

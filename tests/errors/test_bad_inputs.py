@@ -1,0 +1,213 @@
+"""A table of mistakes across compile, show, check, exec and profile.
+
+Each row must end the same way: exit code 2, exactly one line on stderr (``hetplan: error: ...``),
+no traceback, and every file in the working directory byte-identical (and of the same kind and
+mode) before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from tests.errors.workdir import CONFIG, MOE_CONFIG, NODE, populate, run, snapshot
+
+
+def node(old: str, new: str) -> dict:
+    assert old in NODE, old
+    return {"bad.yaml": NODE.replace(old, new)}
+
+
+def config(**changes) -> dict:
+    cfg = {k: v for k, v in dict(CONFIG, **changes).items() if v is not None}
+    return {"bad.json": json.dumps(cfg)}
+
+
+def plan_edit(edit) -> callable:
+    def make(plan: dict) -> dict:
+        d = json.loads(json.dumps(plan))
+        edit(d)
+        return {"bad_plan.json": json.dumps(d)}
+    return make
+
+
+COMPILE_NODE = ["compile", "config.json", "--hw", "bad.yaml", "-o", "out.json"]
+COMPILE_CFG = ["compile", "bad.json", "--hw", "node.yaml", "-o", "out.json"]
+COMPILE = ["compile", "config.json", "--hw", "node.yaml", "-o", "out.json"]
+COMPILE_MOE = ["compile", "moe.json", "--hw", "node.yaml", "-o", "out.json"]
+
+CASES = [
+    # -- node.yaml --------------------------------------------------------------------------
+    ("node-unknown-top-key", COMPILE_NODE, node("name: tiny\n", "name: tiny\ngpu_count: 2\n"), "gpu_count"),
+    ("node-unknown-gpu-key", COMPILE_NODE, node("    memory: 2GiB\n", "    memory: 2GiB\n    colour: red\n"), "colour"),
+    ("node-unknown-cpu-key", COMPILE_NODE, node("  cores: 2\n", "  cores: 2\n  sockets: 2\n"), "sockets"),
+    ("node-unknown-links-key", COMPILE_NODE, node("{h2d: 10GB/s}", "{h2d: 10GB/s, pcie: 4}"), "pcie"),
+    ("node-unknown-flops-key", COMPILE_NODE, node("{fp32: 1TFLOPS}", "{fp32: 1TFLOPS, fp64: 1TFLOPS}"), "fp64"),
+    ("node-scalar-reserve", COMPILE_NODE, node("reserve: {gpu: 1KiB, cpu: 1KiB}", "reserve: 3GiB"), "reserve"),
+    ("node-bare-gpu-memory", COMPILE_NODE, node("memory: 2GiB", "memory: 24"), "no unit"),
+    ("node-bare-h2d", COMPILE_NODE, node("{h2d: 10GB/s}", "{h2d: 25}"), "GB/s"),
+    ("node-bare-cpu-bandwidth", COMPILE_NODE, node("mem_bandwidth: 20GB/s", "mem_bandwidth: 20"), "no unit"),
+    ("node-bare-string-size", COMPILE_NODE, node("memory: 8GiB", "memory: '8'"), "no unit"),
+    ("node-only-fp8-flops", COMPILE_NODE, node("{fp32: 10TFLOPS, bf16: 20TFLOPS}", "{fp8: 20TFLOPS}"), "fp32, fp16 or bf16"),
+    ("node-gpu-larger-than-sold", COMPILE_NODE, node("memory: 2GiB", "memory: 100TiB"), "no GPU sold"),
+    ("node-link-faster-than-built", COMPILE_NODE, node("{h2d: 10GB/s}", "{h2d: 10TB/s}"), "link"),
+    ("node-negative-memory", COMPILE_NODE, node("memory: 2GiB", "memory: -2GiB"), "memory"),
+    ("node-zero-memory", COMPILE_NODE, node("memory: 2GiB", "memory: 0GiB"), "positive"),
+    ("node-unit-typo", COMPILE_NODE, node("memory: 2GiB", "memory: 2 furlongs"), "cannot read"),
+    ("node-bool-bandwidth", COMPILE_NODE, node("mem_bandwidth: 100GB/s", "mem_bandwidth: true"), "mem_bandwidth"),
+    ("node-efficiency-above-one", COMPILE_NODE, node("reserve:", "efficiency: {link: 1.5}\nreserve:"), "(0, 1]"),
+    ("node-efficiency-string", COMPILE_NODE, node("reserve:", "efficiency: {link: high}\nreserve:"), "efficiency.link"),
+    ("node-efficiency-unknown", COMPILE_NODE, node("reserve:", "efficiency: {pcie: 0.5}\nreserve:"), "pcie"),
+    ("node-negative-latency", COMPILE_NODE, node("reserve:", "latency: {gpu_task: -1}\nreserve:"), "latency.gpu_task"),
+    ("node-negative-cores", COMPILE_NODE, node("cores: 2", "cores: -1"), "cores"),
+    ("node-string-cores", COMPILE_NODE, node("cores: 2", "cores: many"), "cores"),
+    ("node-list-name", COMPILE_NODE, node("name: tiny", "name: [a, b]"), "name"),
+    ("node-gpus-mapping", COMPILE_NODE, node("gpus:\n  - name: test gpu", "gpus:\n  x:\n    name: test gpu"), "gpus"),
+    ("node-missing-cpu", COMPILE_NODE, {"bad.yaml": NODE[:NODE.index("cpu:")] + "links: {h2d: 10GB/s}\n"}, "cpu"),
+    ("node-missing-links", COMPILE_NODE, node("links: {h2d: 10GB/s}\n", ""), "links"),
+    ("node-reserve-exceeds-gpu", COMPILE_NODE, node("{gpu: 1KiB, cpu: 1KiB}", "{gpu: 3GiB, cpu: 1KiB}"), "reserve.gpu"),
+    ("node-duplicate-key", COMPILE_NODE, node("  cores: 2\n", "  cores: 2\n  cores: 4\n"), "twice"),
+    ("node-binary", COMPILE_NODE, {"bad.yaml": b"\xff\xfe\x00\x01garbage"}, "not a text file"),
+    ("node-malformed-yaml", COMPILE_NODE, {"bad.yaml": NODE + "latency: {gpu_task: 1\n  x: [\n"}, "malformed YAML"),
+    ("node-top-level-list", COMPILE_NODE, {"bad.yaml": "- a\n- b\n"}, "mapping"),
+    ("node-empty", COMPILE_NODE, {"bad.yaml": ""}, "mapping"),
+    ("node-negative-price", COMPILE_NODE, node("reserve:", "price: {per_hour: -1}\nreserve:"), "price.per_hour"),
+    ("node-price-unknown-key", COMPILE_NODE, node("reserve:", "price: {per_day: 1}\nreserve:"), "per_day"),
+    ("node-missing-profile", COMPILE_NODE, node("reserve:", "profile: nowhere.profile.json\nreserve:"), "nowhere"),
+    ("node-preset-typo", ["compile", "config.json", "--hw", "rtx4090", "-o", "out.json"], {}, "known presets"),
+    # -- config.json ------------------------------------------------------------------------
+    ("config-negative-intermediate", COMPILE_CFG, config(intermediate_size=-128), "intermediate_size"),
+    ("config-zero-layers", COMPILE_CFG, config(num_hidden_layers=0), "num_hidden_layers"),
+    ("config-string-hidden", COMPILE_CFG, config(hidden_size="64"), "hidden_size"),
+    ("config-float-hidden", COMPILE_CFG, config(hidden_size=64.5), "hidden_size"),
+    ("config-bool-heads", COMPILE_CFG, config(num_attention_heads=True), "num_attention_heads"),
+    ("config-unknown-type", COMPILE_CFG, config(model_type="bert"), "not supported"),
+    ("config-list-type", COMPILE_CFG, config(model_type=["llama"]), "model_type"),
+    ("config-missing-vocab", COMPILE_CFG, config(vocab_size=None), "vocab_size"),
+    ("config-absurd-hidden", COMPILE_CFG, config(hidden_size=10**12), "hidden_size"),
+    ("config-unknown-dtype", COMPILE_CFG, config(torch_dtype="float8"), "torch_dtype"),
+    ("config-heads-do-not-divide", COMPILE_CFG, config(num_key_value_heads=3), "divide"),
+    ("config-negative-eps", COMPILE_CFG, config(rms_norm_eps=-1e-6), "rms_norm_eps"),
+    ("config-binary", COMPILE_CFG, {"bad.json": b"\x89PNG\r\n\x1a\n\x00\x00"}, "not a text file"),
+    ("config-malformed", COMPILE_CFG, {"bad.json": '{"model_type": "llama",\n "hidden_size": }'}, "malformed JSON"),
+    ("config-array", COMPILE_CFG, {"bad.json": "[1, 2]"}, "JSON object"),
+    ("config-deep-nesting", COMPILE_CFG, {"bad.json": "[" * 100000 + "]" * 100000}, "bad.json"),
+    ("config-missing-file", ["compile", "nowhere.json", "--hw", "node.yaml", "-o", "out.json"], {}, "nowhere.json"),
+    ("config-moe-too-many-chosen", ["compile", "bad.json", "--hw", "node.yaml", "-o", "out.json"],
+     {"bad.json": json.dumps(dict(MOE_CONFIG, num_experts_per_tok=9))}, "num_experts_per_tok"),
+    # -- compile options --------------------------------------------------------------------
+    ("gpu-mem-bare", COMPILE + ["--gpu-mem", "20"], {}, "no unit"),
+    ("gpu-mem-above-card", COMPILE + ["--gpu-mem", "100GiB"], {}, "more than"),
+    ("cpu-mem-unreadable", COMPILE + ["--cpu-mem", "lots"], {}, "--cpu-mem"),
+    ("batch-zero", COMPILE + ["--batch", "0"], {}, "--batch"),
+    ("prompt-negative", COMPILE + ["--prompt-len", "-1"], {}, "--prompt-len"),
+    ("prompt-beyond-positions", COMPILE + ["--prompt-len", "100000"], {}, "max_position_embeddings"),
+    ("strategy-unknown", COMPILE + ["--strategy", "magic"], {}, "unknown strategy"),
+    ("strategy-moe-on-dense", COMPILE + ["--strategy", "cpu-moe"], {}, "cpu-moe"),
+    ("strategy-bad-count", COMPILE + ["--strategy", "ngl:x"], {}, "ngl:x"),
+    ("weight-dtype-unknown", COMPILE + ["--weight-dtype", "int3"], {}, "int3"),
+    ("kv-dtype-unknown", COMPILE + ["--kv-dtype", "fp7"], {}, "fp7"),
+    ("time-limit-zero", COMPILE + ["--time-limit", "0"], {}, "--time-limit"),
+    ("mip-gap-above-one", COMPILE + ["--mip-gap", "2"], {}, "--mip-gap"),
+    ("output-missing-dir", ["compile", "config.json", "--hw", "node.yaml", "-o", "no/such/dir/p.json"], {}, "does not exist"),
+    ("output-is-dir", ["compile", "config.json", "--hw", "node.yaml", "-o", "sub"], {"sub/keep.txt": "x"}, "directory"),
+    ("output-is-fifo", ["compile", "config.json", "--hw", "node.yaml", "-o", "pipe"], {"pipe": "FIFO"}, "FIFO"),
+    ("nothing-fits", COMPILE + ["--gpu-mem", "1MiB", "--cpu-mem", "1MiB"], {}, "no placement fits"),
+    ("routing-missing", COMPILE_MOE + ["--routing", "no.json"], {}, "no.json"),
+    ("routing-malformed", COMPILE_MOE + ["--routing", "r.json"], {"r.json": "{"}, "malformed JSON"),
+    ("routing-wrong-model", COMPILE_MOE + ["--routing", "r.json"],
+     {"r.json": json.dumps({"model_fingerprint": "0" * 16, "layers": {}})}, "r.json"),
+    ("routing-unknown-key", COMPILE_MOE + ["--routing", "r.json"],
+     {"r.json": json.dumps({"model_fingerprint": "0" * 16, "layers": {}, "colour": 1})}, "colour"),
+    # -- show -------------------------------------------------------------------------------
+    ("show-missing", ["show", "nowhere.json"], {}, "no such plan"),
+    ("show-truncated", ["show", "bad_plan.json"], lambda plan: {"bad_plan.json": json.dumps(plan)[:500]}, "malformed JSON"),
+    ("show-newer-schema", ["show", "bad_plan.json"], plan_edit(lambda d: d.update(schema_version=99)), "newer"),
+    ("show-edited", ["show", "bad_plan.json"], plan_edit(lambda d: d["predicted"].update(ttft_s=0.0)), "edited"),
+    ("show-binary", ["show", "bad_plan.json"], {"bad_plan.json": b"\xff\x00\xfe"}, "bad_plan.json"),
+    ("show-list", ["show", "bad_plan.json"], {"bad_plan.json": "[]"}, "not a hetplan plan"),
+    ("show-timeline-format", ["show", "plan.json", "--timeline", "p.gif"], {}, "svg or .png"),
+    ("show-timeline-missing-dir", ["show", "plan.json", "--timeline", "no/dir/p.svg"], {}, "does not exist"),
+    ("show-trace-is-dir", ["show", "plan.json", "--trace", "sub"], {"sub/keep.txt": "x"}, "directory"),
+    # -- check ------------------------------------------------------------------------------
+    ("check-missing", ["check", "nowhere.json"], {}, "no such plan"),
+    ("check-empty-dir", ["check", "sub"], {"sub/keep.txt": "x"}, "no *.json"),
+    ("check-negative-tolerance", ["check", "plan.json", "--tolerance", "-1"], {}, "--tolerance"),
+    ("check-unreadable-plan", ["check", "bad_plan.json"], {"bad_plan.json": "{"}, "could not be checked"),
+    ("check-unknown-cli-arg", ["check", "bad_plan.json"],
+     plan_edit(lambda d: d["inputs"]["cli_args"].update(colour=1)), "could not be checked"),
+    # -- exec -------------------------------------------------------------------------------
+    ("exec-missing-plan", ["exec", "nowhere.json", "--weights", "random"], {}, "no such plan"),
+    ("exec-greedy-and-temperature", ["exec", "plan.json", "--greedy", "--temperature", "1"], {}, "--greedy"),
+    ("exec-zero-temperature", ["exec", "plan.json", "--temperature", "0"], {}, "--temperature"),
+    ("exec-zero-gen-len", ["exec", "plan.json", "--gen-len", "0"], {}, "--gen-len"),
+    ("exec-no-weights", ["exec", "plan.json"], {}, "--weights"),
+    ("exec-missing-weights", ["exec", "plan.json", "--weights", "no_ckpt"], {}, "no_ckpt"),
+    ("exec-trace-is-dir", ["exec", "plan.json", "--weights", "random", "--trace", "sub"], {"sub/keep.txt": "x"}, "directory"),
+    ("exec-bad-prompt-ids", ["exec", "plan.json", "--weights", "random", "--prompt-ids", "a,b"], {}, "prompt"),
+    ("exec-edited-plan", ["exec", "bad_plan.json", "--weights", "random"],
+     plan_edit(lambda d: d["memory"].update(gpu_bytes=1)), "edited"),
+    # -- profile ----------------------------------------------------------------------------
+    ("profile-profile-without-trace", ["profile", "--profile", "x.json"], {}, "--from-trace"),
+    ("profile-bad-budget", ["profile", "--budget", "forever"], {}, "budget"),
+    ("profile-missing-trace", ["profile", "--from-trace", "no.json", "--profile", "p.json", "--plan", "plan.json"], {}, "no.json"),
+    ("profile-out-missing-dir", ["profile", "--out", "no/dir/node.yaml", "--budget", "5s"], {}, "does not exist"),
+]
+
+
+@pytest.fixture(scope="module")
+def good_plan(tmp_path_factory, ) -> str:
+    folder = tmp_path_factory.mktemp("good")
+    populate(folder)
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        from hetplan.cli import main
+        assert main(["compile", "config.json", "--hw", "node.yaml", "-o", "plan.json"]) == 0
+    finally:
+        os.chdir(cwd)
+    return (folder / "plan.json").read_text()
+
+
+def test_the_table_covers_every_command_with_at_least_80_mistakes():
+    assert len(CASES) >= 80
+    assert {argv[0] for _, argv, _, _ in CASES} == {"compile", "show", "check", "exec", "profile"}
+    assert len({name for name, *_ in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("name,argv,files,says", CASES, ids=[c[0] for c in CASES])
+def test_a_mistake_is_one_line_exit_2_and_touches_nothing(name, argv, files, says, good_plan, tmp_path,
+                                                           monkeypatch, capsys):
+    populate(tmp_path, good_plan)
+    if callable(files):
+        files = files(json.loads(good_plan))
+    for rel, content in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if content == "FIFO":
+            os.mkfifo(p)
+        elif isinstance(content, bytes):
+            p.write_bytes(content)
+        else:
+            p.write_text(content)
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    code, out, err = run(argv, capsys)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetplan: error: "), err
+    assert "Traceback" not in err + out
+    assert says in lines[0], lines[0]
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null")
+def test_output_to_a_device_is_refused_and_the_device_stays_a_device(tmp_path, monkeypatch, capsys):
+    populate(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(["compile", "config.json", "--hw", "node.yaml", "-o", "/dev/null"], capsys)
+    assert code == 2 and "is a device" in err
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)

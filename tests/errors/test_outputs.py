@@ -1,0 +1,119 @@
+"""The one writer, honest exits and the messages around them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+
+import pytest
+
+from hetplan import progress
+from hetplan.errors import HetplanError
+from hetplan.files import write_atomic
+from tests.errors.workdir import NODE, populate, run
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+
+
+def test_an_existing_file_keeps_its_mode_and_a_new_one_gets_the_umask_mode(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text("x")
+    old.chmod(0o600)
+    write_atomic(old, "y")
+    assert stat.S_IMODE(old.stat().st_mode) == 0o600
+    umask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "new.png", b"\x89PNG")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.png").stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo"])
+def test_something_that_is_not_a_regular_file_is_never_replaced(tmp_path, kind):
+    p = tmp_path / "x"
+    p.mkdir() if kind == "dir" else os.mkfifo(p)
+    with pytest.raises(HetplanError, match="hetplan writes only regular files"):
+        write_atomic(p, "data")
+    assert (p.is_dir() if kind == "dir" else stat.S_ISFIFO(p.stat().st_mode))
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["x"]  # no temporary file left
+
+
+def test_ctrl_c_inside_an_interruptible_block_sets_the_flag_then_interrupts():
+    with pytest.raises(KeyboardInterrupt):
+        with progress.interruptible() as flag:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert flag.requested
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_exec_without_torch_names_both_install_lines(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
+    code, _, err = run(["exec", "plan.json", "--weights", "random"], capsys)
+    assert code == 2
+    assert "--index-url https://download.pytorch.org/whl/cpu" in err and "CUDA machine" in err
+
+
+def test_a_bug_is_exit_3_with_one_line_and_a_hint_to_report_it(monkeypatch, capsys):
+    import hetplan.cli.show as show
+
+    def broken(path):
+        raise ZeroDivisionError("boom")
+    monkeypatch.setattr(show, "load_plan", broken)
+    code, _, err = run(["show", "plan.json"], capsys)
+    assert code == 3 and err.count("\n") == 1
+    assert "internal error: ZeroDivisionError: boom" in err and "report" in err
+
+
+def test_a_two_gpu_node_says_only_the_first_is_planned(tmp_path, monkeypatch, capsys):
+    populate(tmp_path)
+    two = NODE.replace("gpus:\n", "gpus:\n  - {name: second, memory: 2GiB, mem_bandwidth: 100GB/s, "
+                                  "flops: {fp32: 10TFLOPS}}\n")
+    (tmp_path / "two.yaml").write_text(two)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(["compile", "config.json", "--hw", "two.yaml", "-o", "p.json"], capsys)
+    assert code == 0, err
+    assert "2 GPUs" in err and "only the first of 2 GPUs" in out
+    code, out, _ = run(["show", "p.json"], capsys)
+    assert "only the first of the node's 2 GPUs (second) is planned" in out
+
+
+def test_summary_names_the_dtype_and_batch(tmp_path, monkeypatch, capsys):
+    populate(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["compile", "config.json", "--hw", "node.yaml", "-o", "p.json"], capsys)
+    assert code == 0 and "[fp32 weights, batch 1, ilp, optimal" in out
+
+
+def test_check_of_a_directory_checks_every_plan_and_the_worst_code_wins(tmp_path, monkeypatch, capsys):
+    populate(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plans").mkdir()
+    assert run(["compile", "config.json", "--hw", "node.yaml", "-o", "plans/b.json"], capsys)[0] == 0
+    (tmp_path / "plans" / "a.json").write_text("{")  # sorts first, unreadable
+    code, out, err = run(["check", "plans"], capsys)
+    assert code == 2
+    assert "ERROR plans/a.json" in out and "OK plans/b.json" in out  # the later plan was still checked
+    assert err.count("\n") == 1
+
+
+def test_check_resolves_a_relative_hw_against_the_plans_directory(tmp_path, monkeypatch, capsys):
+    populate(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    model = str(tmp_path / "config.json")  # a model's default name comes from its path, so keep it fixed
+    assert run(["compile", model, "--hw", "node.yaml", "-o", "p.json"], capsys)[0] == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out, err = run(["check", "../p.json"], capsys)
+    assert code == 0, out + err
+    assert "OK ../p.json" in out and "identical" in out
