@@ -28,12 +28,15 @@ SUPPORTED_OPS = frozenset({
     "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Not", "IsNaN",
     "Where",
     # shapes and data movement
-    "Transpose", "Reshape", "Flatten", "Concat", "Gather", "Slice", "Split", "Unsqueeze",
+    "Transpose", "Reshape", "Flatten", "Concat", "Gather", "GatherND", "ScatterND", "Slice", "Split",
+    "Unsqueeze",
     "Squeeze", "Expand", "Tile", "Shape", "Size", "Cast", "Identity", "Range", "Trilu",
     "Constant", "ConstantOfShape",
 })
-"""Operators of the default domain that decoder exports use (``torch.onnx.export`` of
-transformers' llama and gpt2, and optimum's exports)."""
+"""Operators of the default domain that decoder exports use: ``torch.onnx.export`` of
+transformers' llama and gpt2 by the TorchScript exporter (opset 14..17, as optimum exports them)
+and by the dynamo exporter (torch 2.9+ default, opset 18..23: the attention mask is built with
+GatherND), and the ScatterND that index assignment exports to."""
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
