@@ -110,6 +110,9 @@ def _export_call(module, args, path, inputs, outputs, axes, exporter, opset, n_f
 def _export(family: str, with_past: bool, exporter: str, frozen_sizes: tuple) -> tuple:
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter {exporter!r}: one of {EXPORTERS}")
+    if exporter == "dynamo":
+        import pytest
+        pytest.importorskip("onnxscript")
     sizes = dict(frozen_sizes)
     cfg, model = _model(family, sizes)
     params = {k: tuple(v.shape) for k, v in model.named_parameters()}
