@@ -38,6 +38,10 @@ transformers' llama and gpt2 by the TorchScript exporter (opset 14..17, as optim
 and by the dynamo exporter (torch 2.9+ default, opset 18..23: the attention mask is built with
 GatherND), and the ScatterND that index assignment exports to."""
 
+FUSED_OPSET_23 = frozenset({"Attention", "RotaryEmbedding", "RMSNormalization"})
+"""Fused operators the dynamo exporter emits from opset 23 on (not implemented): an export at
+opset 18..22 spells them out in the operators above."""
+
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
@@ -72,6 +76,10 @@ def check_supported(model, source: str) -> int:
         for (domain, op), name in sorted(bad.items()):
             where = f"{domain}::" if domain else ""
             parts.append(f"{where}{op} (node {name!r}, opset {versions.get(domain or '', opset)})")
-        raise HetplanError(f"{source}: unsupported ONNX operator(s): {'; '.join(parts)}. "
+        hint = ""
+        if any(domain == "" and op in FUSED_OPSET_23 for domain, op in bad):
+            hint = (" The fused opset-23 operators are not implemented: re-export with "
+                    "torch.onnx.export(..., dynamo=True, opset_version=20).")
+        raise HetplanError(f"{source}: unsupported ONNX operator(s): {'; '.join(parts)}.{hint} "
                            f"hetplan implements: {', '.join(sorted(SUPPORTED_OPS))}")
     return opset
