@@ -204,6 +204,46 @@ def _gather(node, x, opset):
     return [out.reshape(data.shape[:axis] + idx.shape + data.shape[axis + 1:])]
 
 
+def _index_tuples(data, idx, k: int) -> tuple:
+    """The coordinate tensors of ``idx``'s last axis ([..., k]), negative ones wrapped."""
+    idx = idx.to(data.device, torch.int64)
+    sizes = torch.tensor(data.shape[:k], dtype=torch.int64, device=data.device)
+    idx = torch.where(idx < 0, idx + sizes, idx)
+    return tuple(idx[..., j] for j in range(k))
+
+
+def _gather_nd(node, x, opset):
+    data, idx = x
+    b = node.attrs.get("batch_dims", 0)
+    k = idx.shape[-1]
+    n_batch = int(torch.tensor(data.shape[:b]).prod())
+    flat = data.reshape((n_batch,) + data.shape[b:])                     # [B, d_b, ...]
+    flat_idx = idx.reshape(n_batch, -1, k)                               # [B, N, k]
+    rows = torch.arange(n_batch, device=data.device).unsqueeze(1).expand(flat_idx.shape[:2])
+    out = flat[(rows,) + _index_tuples(flat[0], flat_idx, k)]            # [B, N, d_{b+k}, ...]
+    return [out.reshape(idx.shape[:-1] + data.shape[b + k:])]
+
+
+SCATTER_REDUCE = {"mul": torch.mul, "max": torch.maximum, "min": torch.minimum}
+
+
+def _scatter_nd(node, x, opset):
+    """Rows of ``data`` at ``indices`` replaced by (or reduced with) ``updates``, in index order."""
+    data, idx, upd = x
+    k = idx.shape[-1]
+    reduction = node.attrs.get("reduction", b"none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    coords = _index_tuples(data, idx, k)
+    out = data.clone()
+    upd = upd.to(data.dtype)
+    if reduction in ("none", "add"):
+        return [out.index_put_(coords, upd, accumulate=reduction == "add")]
+    rows = zip(*(c.reshape(-1).tolist() for c in coords))       # each a k-tuple into data
+    for at, u in zip(rows, upd.reshape((-1,) + data.shape[k:])):
+        out[at] = SCATTER_REDUCE[reduction](out[at], u)
+    return [out]
+
+
 def _slice(node, x, opset):
     t = x[0]
     starts, ends = _ints(x[1]), _ints(x[2])
@@ -307,7 +347,8 @@ OPS = {
     "And": _binary(torch.logical_and), "Or": _binary(torch.logical_or), "Not": _unary(torch.logical_not),
     "IsNaN": _unary(torch.isnan), "Where": _where,
     "Transpose": _transpose, "Reshape": _reshape, "Flatten": _flatten, "Concat": _concat,
-    "Gather": _gather, "Slice": _slice, "Split": _split, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
+    "Gather": _gather, "GatherND": _gather_nd, "ScatterND": _scatter_nd, "Slice": _slice,
+    "Split": _split, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
     "Expand": _expand, "Tile": _tile, "Shape": _shape, "Size": _size, "Cast": _cast,
     "Identity": _unary(lambda t: t), "Range": _range, "Trilu": _trilu, "Constant": _constant,
     "ConstantOfShape": _constant_of_shape,

@@ -105,6 +105,17 @@ def test_unsupported_operator_is_refused_with_its_node_and_opset(tmp_path, capsy
     assert "com.microsoft::FusedMatMul (node 'fused', opset 1)" in err
 
 
+def test_fused_opset_23_attention_is_refused_with_the_opset_to_export_at(tmp_path, capsys):
+    nodes = [helper.make_node("Gather", ["embed.weight", "input_ids"], ["h"], name="embed"),
+             helper.make_node("Attention", ["h", "h", "h"], ["logits"], name="sdpa")]
+    model = _tiny_graph(nodes, opset=23, inits=[_embedding()])
+    path = tmp_path / "attention.onnx"
+    onnx.save(model, str(path))
+    err = _compile(path, capsys, tmp_path)
+    assert "Attention (node 'sdpa', opset 23)" in err
+    assert "opset_version=20" in err and "Traceback" not in err
+
+
 def test_graph_without_decoder_layers_is_refused_with_the_reason(tmp_path, capsys):
     w = numpy_helper.from_array(np.ones((8, 16), dtype=np.float32), "proj.weight")
     nodes = [helper.make_node("Gather", ["embed.weight", "input_ids"], ["h"]),

@@ -13,7 +13,7 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("transformers")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-from tests.onnx.exports import export  # noqa: E402
+from tests.onnx.exports import EXPORTERS, export  # noqa: E402
 
 from hetplan.cli import main  # noqa: E402
 from hetplan.evaluate import make_plan  # noqa: E402
@@ -34,18 +34,40 @@ GEN = 4
 TOL = 1e-4
 
 
-def _mixed_plan(path, depth=2):
-    """Blocks cycling through CPU, GPU-resident and streamed placement (embedding on the CPU);
-    streamed MLP and head blocks compute on the CPU in decode (attention stays beside its cache)."""
+PLANS = ("mixed", "cpu", "gpu")
+CASES = [(family, with_past, exporter) for exporter in EXPORTERS for family in ("llama", "gpt2")
+         for with_past in (False, True)]
+
+
+def _mixed_plan(path, depth=2, kind="mixed"):
+    """``mixed``: blocks cycling through CPU, GPU-resident and streamed placement (embedding on
+    the CPU); streamed MLP and head blocks compute on the CPU in decode (attention stays beside
+    its cache, on the CPU for CPU blocks). ``cpu`` / ``gpu``: every block and cache there."""
     spec = load_model(str(path))
     problem = build_problem(spec, load_node("rtx4090-64g"), Workload(batch=2, prompt_len=5, gen_len=GEN))
     cycle = ("gpu", "stream", "cpu")  # attn_0 streamed, mlp_0 cpu, attn_1 gpu, mlp_1 streamed, head cpu
-    weights = {b.name: "cpu" if b.kind == "embed" else cycle[i % 3] for i, b in enumerate(problem.blocks)}
+    if kind == "mixed":
+        weights = {b.name: "cpu" if b.kind == "embed" else cycle[i % 3] for i, b in enumerate(problem.blocks)}
+    else:
+        weights = {b.name: kind for b in problem.blocks}
     kv = {b.name: "cpu" if weights[b.name] == "cpu" else "gpu" for b in problem.blocks if b.kind == "attn"}
     decode = {b.name: "cpu" if weights[b.name] == "stream" and b.kind != "attn" else weights[b.name]
               for b in problem.blocks}
     dec = Decision(weights, {"prefill": dict(weights), "decode": decode}, kv, depth=depth)
     return make_plan(problem, dec, {"strategy": "manual", "status": "heuristic", "mip_gap": None, "options": {}})
+
+
+def _feeds(names, ids, past_len, past):
+    """onnxruntime inputs: the token ids, an all-ones mask, positions after ``past_len`` cached
+    tokens (optimum's signature) and the past key/values."""
+    batch, seq = ids.shape
+    feeds = {"input_ids": ids}
+    if "attention_mask" in names:
+        feeds["attention_mask"] = np.ones((batch, past_len + seq), np.int64)
+    if "position_ids" in names:
+        feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + seq), (batch, seq)).copy()
+    feeds.update(zip([n for n in names if "past" in n], past))
+    return feeds
 
 
 def _reference_logits(path, with_past, generated, spec) -> list:
@@ -56,31 +78,31 @@ def _reference_logits(path, with_past, generated, spec) -> list:
     gen = np.array(generated, dtype=np.int64)
     out = []
     if with_past:
-        feeds = {"input_ids": ids, "attention_mask": np.ones(ids.shape, np.int64)}
-        feeds.update({n: np.zeros((2, spec.n_kv_heads, 0, spec.head_dim), np.float32) for n in names[2:]})
-        res = sess.run(None, feeds)
+        n_past = sum("past" in n for n in names)
+        res = sess.run(None, _feeds(names, ids, 0, [np.zeros((2, spec.n_kv_heads, 0, spec.head_dim), np.float32)]
+                                    * n_past))
         out.append(res[0])
         for i in range(GEN - 1):
-            feeds = {"input_ids": gen[:, i:i + 1], "attention_mask": np.ones((2, ids.shape[1] + i + 1), np.int64)}
-            feeds.update(dict(zip(names[2:], res[1:])))
-            res = sess.run(None, feeds)
+            res = sess.run(None, _feeds(names, gen[:, i:i + 1], ids.shape[1] + i, res[1:]))
             out.append(res[0][:, -1])
     else:
         seq = ids
-        out.append(sess.run(None, {"input_ids": seq})[0])
+        out.append(sess.run(None, _feeds(names, seq, 0, []))[0])
         for i in range(GEN - 1):
             seq = np.concatenate([seq, gen[:, i:i + 1]], axis=1)
-            out.append(sess.run(None, {"input_ids": seq})[0][:, -1])
+            out.append(sess.run(None, _feeds(names, seq, 0, []))[0][:, -1])
     return out
 
 
-@pytest.mark.parametrize("family,with_past", [("llama", False), ("llama", True), ("gpt2", False), ("gpt2", True)])
-def test_exec_matches_onnxruntime_with_blocks_on_both_sides(family, with_past):
-    path, _, _ = export(family, with_past)
-    plan = _mixed_plan(path)
-    assert {p["weights"] for p in plan.placement} == {"cpu", "gpu", "stream"}
+@pytest.mark.parametrize("plan_kind", PLANS)
+@pytest.mark.parametrize("family,with_past,exporter", CASES)
+def test_exec_matches_onnxruntime_under_each_placement(family, with_past, exporter, plan_kind):
+    path, _, _ = export(family, with_past, exporter)
+    plan = _mixed_plan(path, kind=plan_kind)
+    want_tiers = {"mixed": {"cpu", "gpu", "stream"}, "cpu": {"cpu"}, "gpu": {"gpu"}}[plan_kind]
+    assert {p["weights"] for p in plan.placement} == want_tiers
     res = run_plan(plan, RunOptions(prompt_ids=PROMPT, emulate=True, all_logits=True, keep_logits=True))
-    assert res.mode == "emulated"
+    assert res.mode == ("cpu" if plan_kind == "cpu" else "emulated")
     ref = _reference_logits(path, with_past, res.tokens, plan.model)
     assert len(res.logits) == len(ref) == GEN
     for got, want in zip(res.logits, ref):
@@ -90,9 +112,16 @@ def test_exec_matches_onnxruntime_with_blocks_on_both_sides(family, with_past):
     assert res.tokens == np.stack(want_tokens, axis=1).tolist()
 
 
-def test_with_and_without_past_generate_the_same_tokens():
-    a = run_plan(_mixed_plan(export("llama", True)[0]), RunOptions(prompt_ids=PROMPT, emulate=True))
-    b = run_plan(_mixed_plan(export("llama", False)[0], depth=1), RunOptions(prompt_ids=PROMPT, emulate=True))
+def test_dynamo_export_builds_its_mask_with_gather_nd():
+    """The operator that used to refuse these exports is in the graph this suite runs."""
+    ops = {n.op_type for n in onnx.load(str(export("llama", True, "dynamo")[0])).graph.node}
+    assert "GatherND" in ops
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_with_and_without_past_generate_the_same_tokens(exporter):
+    a = run_plan(_mixed_plan(export("llama", True, exporter)[0]), RunOptions(prompt_ids=PROMPT, emulate=True))
+    b = run_plan(_mixed_plan(export("llama", False, exporter)[0], depth=1), RunOptions(prompt_ids=PROMPT, emulate=True))
     assert a.tokens == b.tokens
 
 
@@ -115,8 +144,9 @@ def test_exec_cli_runs_an_onnx_plan_with_external_data(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_exec_on_cuda_matches_onnxruntime():
-    path, _, _ = export("llama", True)
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_exec_on_cuda_matches_onnxruntime(exporter):
+    path, _, _ = export("llama", True, exporter)
     plan = _mixed_plan(path)
     res = run_plan(plan, RunOptions(prompt_ids=PROMPT, emulate=False, all_logits=True, keep_logits=True))
     assert res.mode == "cuda"
@@ -164,6 +194,19 @@ OP_CASES = {
     "LayerNormalization": (helper.make_node("LayerNormalization", ["x", "s", "b"], ["y"], epsilon=1e-5),
                            {"x": _f(2, 3, 8), "s": _f(8, seed=1), "b": _f(8, seed=2)}, {}),
     "Expand": (helper.make_node("Expand", ["x", "s"], ["y"]), {"x": _f(3, 1)}, {"s": _i([2, 1, 4])}),
+    # the dynamo exporter's mask lookup: padding_mask[batch_idx, kv_idx]
+    "GatherND": (helper.make_node("GatherND", ["x", "i"], ["y"]), {"x": _f(3, 4, 5)},
+                 {"i": _i([[[0, 1], [2, -1]], [[1, 3], [-3, 0]]])}),
+    "GatherND-batch_dims": (helper.make_node("GatherND", ["x", "i"], ["y"], batch_dims=1), {"x": _f(2, 3, 4)},
+                            {"i": _i([[[1], [0]], [[2], [-1]]])}),
+    "ScatterND": (helper.make_node("ScatterND", ["x", "i", "u"], ["y"]), {"x": _f(4, 3), "u": _f(2, 3, seed=1)},
+                  {"i": _i([[2], [0]])}),
+    "ScatterND-add": (helper.make_node("ScatterND", ["x", "i", "u"], ["y"], reduction="add"),
+                      {"x": _f(3, 4), "u": _f(3, seed=1)}, {"i": _i([[0, 1], [2, 3], [0, 1]])}),
+    "ScatterND-mul": (helper.make_node("ScatterND", ["x", "i", "u"], ["y"], reduction="mul"),
+                      {"x": _f(3, 4, 2), "u": _f(3, 2, seed=1)}, {"i": _i([[0, 1], [2, 3], [0, 1]])}),
+    "ScatterND-max": (helper.make_node("ScatterND", ["x", "i", "u"], ["y"], reduction="max"),
+                      {"x": _f(3, 4), "u": _f(2, 4, seed=1)}, {"i": _i([[1], [-1]])}),
     "Where": (helper.make_node("Where", ["c", "x", "z"], ["y"]),
               {"c": _f(2, 3) > 0, "x": _f(2, 3, seed=1), "z": _f(1, 3, seed=2)}, {}),
 }

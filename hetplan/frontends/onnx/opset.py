@@ -28,12 +28,19 @@ SUPPORTED_OPS = frozenset({
     "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Not", "IsNaN",
     "Where",
     # shapes and data movement
-    "Transpose", "Reshape", "Flatten", "Concat", "Gather", "Slice", "Split", "Unsqueeze",
+    "Transpose", "Reshape", "Flatten", "Concat", "Gather", "GatherND", "ScatterND", "Slice", "Split",
+    "Unsqueeze",
     "Squeeze", "Expand", "Tile", "Shape", "Size", "Cast", "Identity", "Range", "Trilu",
     "Constant", "ConstantOfShape",
 })
-"""Operators of the default domain that decoder exports use (``torch.onnx.export`` of
-transformers' llama and gpt2, and optimum's exports)."""
+"""Operators of the default domain that decoder exports use: ``torch.onnx.export`` of
+transformers' llama and gpt2 by the TorchScript exporter (opset 14..17, as optimum exports them)
+and by the dynamo exporter (torch 2.9+ default, opset 18..23: the attention mask is built with
+GatherND), and the ScatterND that index assignment exports to."""
+
+FUSED_OPSET_23 = frozenset({"Attention", "RotaryEmbedding", "RMSNormalization"})
+"""Fused operators the dynamo exporter emits from opset 23 on (not implemented): an export at
+opset 18..22 spells them out in the operators above."""
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -69,6 +76,10 @@ def check_supported(model, source: str) -> int:
         for (domain, op), name in sorted(bad.items()):
             where = f"{domain}::" if domain else ""
             parts.append(f"{where}{op} (node {name!r}, opset {versions.get(domain or '', opset)})")
-        raise HetplanError(f"{source}: unsupported ONNX operator(s): {'; '.join(parts)}. "
+        hint = ""
+        if any(domain == "" and op in FUSED_OPSET_23 for domain, op in bad):
+            hint = (" The fused opset-23 operators are not implemented: re-export with "
+                    "torch.onnx.export(..., dynamo=True, opset_version=20).")
+        raise HetplanError(f"{source}: unsupported ONNX operator(s): {'; '.join(parts)}.{hint} "
                            f"hetplan implements: {', '.join(sorted(SUPPORTED_OPS))}")
     return opset

@@ -165,6 +165,33 @@ def _gather(node, ins, opset):
     return [_make(shape, data.dtype, value)]
 
 
+def gather_nd_shape(data: tuple, indices: tuple, batch_dims: int) -> tuple:
+    """GatherND's output shape: the index tuples' shape (batch dims included), then what each
+    tuple of ``indices[-1]`` coordinates leaves of ``data`` after the batch dims."""
+    return tuple(indices[:-1]) + tuple(data[batch_dims + indices[-1]:])
+
+
+def _gather_nd(node, ins, opset):
+    data, idx = ins
+    b = node.attrs.get("batch_dims", 0)
+    if idx.shape[-1] > len(data.shape) - b or tuple(data.shape[:b]) != tuple(idx.shape[:b]):
+        raise HetplanError(f"node {node.name!r} (GatherND): indices {idx.shape} do not index data "
+                           f"{data.shape} with batch_dims={b}")
+    value = None
+    if _known(data) and _known(idx) and b == 0:
+        value = data.value[tuple(np.moveaxis(idx.value, -1, 0))]
+    return [_make(gather_nd_shape(data.shape, idx.shape, b), data.dtype, value)]
+
+
+def _scatter_nd(node, ins, opset):
+    data, idx, upd = ins
+    want = tuple(idx.shape[:-1]) + tuple(data.shape[idx.shape[-1]:])
+    if tuple(upd.shape) != want:
+        raise HetplanError(f"node {node.name!r} (ScatterND): updates of shape {upd.shape} do not fit "
+                           f"data {data.shape} indexed by {idx.shape} (expected {want})")
+    return [_make(data.shape, data.dtype)]
+
+
 def _slices(node, ins, rank_shape):
     starts = _val(ins[1], node, "starts")
     ends = _val(ins[2], node, "ends")
@@ -329,7 +356,8 @@ RULES = {
     **{op: _elementwise for op in _BINARY}, **{op: _unary for op in _UNARY},
     **{op: _same for op in _SAME_SHAPE},
     "Where": _where, "MatMul": _matmul, "Gemm": _gemm, "Reshape": _reshape, "Transpose": _transpose,
-    "Concat": _concat, "Gather": _gather, "Slice": _slice, "Split": _split, "Unsqueeze": _unsqueeze,
+    "Concat": _concat, "Gather": _gather, "GatherND": _gather_nd, "ScatterND": _scatter_nd,
+    "Slice": _slice, "Split": _split, "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze, "Expand": _expand, "Tile": _tile, "Shape": _shape, "Size": _size,
     "Cast": _cast, "Constant": _constant, "ConstantOfShape": _constant_of_shape, "Range": _range,
     "ReduceMean": _reduce, "ReduceSum": _reduce, "ReduceMax": _reduce, "Flatten": _flatten,
