@@ -55,6 +55,10 @@ class PackedLinear:
     def device(self) -> torch.device:
         return self.segments[0][0].device
 
+    def data_ptr(self) -> int:
+        """Address of the first packed byte (where the weight lies: a block's bytes or a slot)."""
+        return self.segments[0][0].data_ptr()
+
     @classmethod
     def cat(cls, parts: list) -> "PackedLinear":
         """``parts`` (same format and cols) stacked along the output dim."""
