@@ -86,7 +86,7 @@ def make_ggufs(work: Path, ckpt: Path, llama: Path, python: str, convert: Path) 
         if not f.is_file():
             print(f"converting to {f.name}", flush=True)
             subprocess.run([python, str(convert), str(ckpt), "--outtype", outtype, "--outfile", str(f)], check=True,
-                           stdout=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out[outtype] = f
     for q in ("q8_0", "q4_0", "q4_k_m"):
         f = work / f"model-{q}.gguf"

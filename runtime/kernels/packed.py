@@ -7,20 +7,17 @@ norms and biases in the compute dtype). ``PackedLayout`` says where each tensor 
 bytes and in the dequantisation buffer of the tier a stage computes on.
 
 A stage's weights are ``PackedView.materialise()``: a mapping that hands each linear to the
-stage packed (``kernels.linear.PackedLinear``: the kernels multiply with its bytes, nothing is
-dequantised whole) and views the other tensors in place. The buffer is where a stage that needs a
-linear's matrix itself (MLA's absorbed ``kv_b``) dequantises it (``PackedLinear.dense()``). In the
-buffer the block's linears lie back to back in block order (fused groups stay adjacent), except
-the routed experts of an MoE block (``experts.{e}.*``, as the backend's ``expert_of`` tells):
-those share one expert-sized region after the others, and an expert is dequantised into it again
-on every lookup. Stages compute experts one at a time, each before the next is looked up
-(``moe.layer.experts_forward``, ``moe.split.cold_stage``), so in stream order on a GPU and in program
-order on the CPU no expert is overwritten while in use; a stage must never hold two routed
-experts' tensors at once. A buffer then needs a block's other linears plus one expert: what the
-planner reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts
-are streamed computes with two packed parts (``PackedParts``: its resident bytes and its cold
-experts' bytes in a staging slot); the cold part's experts dequantise into the resident part's
-expert region (``sharing_experts``), so the buffer still holds one expert at a time.
+stage packed (``kernels.linear.PackedLinear``, views of the bytes made once per block: the
+kernels multiply with them, nothing is dequantised whole) and views the other tensors in place.
+The dequantisation buffer is where a stage that needs a linear's matrix itself (MLA's absorbed
+``kv_b``) dequantises it (``PackedLinear.dense()``); in it the block's linears lie back to back
+in block order (fused groups stay adjacent), except the routed experts of an MoE block
+(``experts.{e}.*``, as the backend's ``expert_of`` tells), which share one expert-sized region
+after the others: a buffer needs a block's other linears plus one expert, what the planner
+reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts are
+streamed computes with two packed parts (``PackedParts``: its resident bytes and its cold
+experts' bytes in a staging slot); the cold part's experts are laid in the resident part's
+expert region (``sharing_experts``).
 
 Knows nothing about tiers, plans or schedules.
 """
