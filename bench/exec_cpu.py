@@ -4,7 +4,7 @@
 
 A Llama-architecture model of 0.85 B parameters (hidden 2048, 16 layers, MLP 5632, 32 query /
 8 KV heads, vocab 32000, untied head) with random weights, saved once as safetensors by
-transformers (fp32) with a placeholder SentencePiece vocabulary (the converter needs one; the
+transformers (fp32, and a bf16 copy for the bf16 runs) with a placeholder SentencePiece vocabulary (the converter needs one; the
 tokens are never decoded). llama.cpp's own ``convert_hf_to_gguf.py`` converts it (f32, bf16)
 and its own ``llama-quantize`` makes q8_0, q4_0 and q4_k_m from the f32 file. Per dtype (fp32,
 bf16, q8_0, q4_0, q4_k_m) and tool, every measurement is a fresh process, tools rotated in order
@@ -74,6 +74,12 @@ def make_model(work: Path, python: str) -> Path:
             if p.dim() == 2:
                 p.data.normal_(0, 0.02)
         model.save_pretrained(ckpt, safe_serialization=True)
+    half = work / "model-bf16"                    # hetplan runs a checkpoint in the plan's dtype
+    if not (half / "config.json").is_file():
+        import torch
+        import transformers
+        transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).save_pretrained(
+            half, safe_serialization=True)
     if not (ckpt / "tokenizer.model").is_file():  # sentencepiece lives in the converter's environment
         subprocess.run([python, __file__, "--child", "vocab", "--work", str(work)], check=True)
     return ckpt
@@ -103,7 +109,7 @@ def child(tool: str, dtype: str, work: Path, profile: str | None) -> dict:
     """Runs inside a fresh process: measures one (tool, dtype) and returns its numbers."""
     import torch
     torch.set_num_threads(THREADS)
-    ckpt = work / "model"
+    ckpt = work / ("model-bf16" if dtype == "bf16" else "model")
     ids = torch.randint(3, CONFIG["vocab_size"], (1, PREFILL), generator=torch.Generator().manual_seed(0))
     if tool == "hetplan":
         from hetplan.compiler import CompileRequest, compile_plan
