@@ -50,11 +50,12 @@ def test_block_weight_bytes_are_params_times_bytes_per_weight():
 
 
 def test_quantised_block_bytes_are_packed_linears_and_fp32_norms():
-    """q4_k_m: each linear 156 B per 256 weights (16-byte aligned), the norm 64 x 4 B."""
+    """q4_k_m: each output row on its own, 156 B per 256 weights or part of 256 (a 64- or
+    96-wide row is one padded super-block), the norm 64 x 4 B."""
     g = block_graph(small(weight_dtype="q4_k_m"), Workload(batch=1, prompt_len=8, gen_len=8))
-    q, kv = 156 * 64 * 64 // 256, 156 * 64 * 32 // 256           # 2496 and 1248, both multiples of 16
+    q, kv = 64 * 156, 32 * 156                                    # rows x one super-block each
     assert g.block("attn_0").weight_bytes == 2 * q + 2 * kv + 64 * 4
-    assert g.block("mlp_0").weight_bytes == 3 * (156 * 64 * 96 // 256) + 64 * 4
+    assert g.block("mlp_0").weight_bytes == 2 * (96 * 156) + 64 * 156 + 64 * 4  # gate, up [96, 64]; down [64, 96]
     i8 = block_graph(small(weight_dtype="int8"), Workload(batch=1, prompt_len=8, gen_len=8))
     rows = lambda r, c: -(-(r * (c + 4)) // 16) * 16  # noqa: E731 - an fp32 scale per row, aligned
     assert i8.block("attn_0").weight_bytes == rows(64, 64) * 2 + rows(32, 64) * 2 + 64 * 4

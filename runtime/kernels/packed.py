@@ -6,19 +6,18 @@ in host memory, or in a staging slot): its linear weights packed in the plan's f
 norms and biases in the compute dtype). ``PackedLayout`` says where each tensor lies, in those
 bytes and in the dequantisation buffer of the tier a stage computes on.
 
-A stage's weights are ``PackedView.materialise()``: a mapping that dequantises a linear into the
-buffer (compute dtype) when the stage looks it up, and views the other tensors in place. In the
-buffer the block's linears lie back to back in block order (fused groups stay adjacent), except
-the routed experts of an MoE block (``experts.{e}.*``, as the backend's ``expert_of`` tells):
-those share one expert-sized region after the others, and an expert is dequantised into it again
-on every lookup. Stages compute experts one at a time, each before the next is looked up
-(``moe.layer.experts_forward``, ``moe.split.cold_stage``), so in stream order on a GPU and in program
-order on the CPU no expert is overwritten while in use; a stage must never hold two routed
-experts' tensors at once. A buffer then needs a block's other linears plus one expert: what the
-planner reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts
-are streamed computes with two packed parts (``PackedParts``: its resident bytes and its cold
-experts' bytes in a staging slot); the cold part's experts dequantise into the resident part's
-expert region (``sharing_experts``), so the buffer still holds one expert at a time.
+A stage's weights are ``PackedView.materialise()``: a mapping that hands each linear to the
+stage packed (``kernels.linear.PackedLinear``, views of the bytes made once per block: the
+kernels multiply with them, nothing is dequantised whole) and views the other tensors in place.
+The dequantisation buffer is where a stage that needs a linear's matrix itself (MLA's absorbed
+``kv_b``) dequantises it (``PackedLinear.dense()``); in it the block's linears lie back to back
+in block order (fused groups stay adjacent), except the routed experts of an MoE block
+(``experts.{e}.*``, as the backend's ``expert_of`` tells), which share one expert-sized region
+after the others: a buffer needs a block's other linears plus one expert, what the planner
+reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts are
+streamed computes with two packed parts (``PackedParts``: its resident bytes and its cold
+experts' bytes in a staging slot); the cold part's experts are laid in the resident part's
+expert region (``sharing_experts``).
 
 Knows nothing about tiers, plans or schedules.
 """
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from hetplan.runtime.kernels import quant
+from hetplan.runtime.kernels.linear import PackedLinear
 
 ALIGN = 16
 """Byte alignment of each packed linear inside a block."""
@@ -118,6 +118,7 @@ class PackedView:
         self.dense = views(buffer, layout.dense, fused) if buffer is not None else {}
         self.parts = {name: fused.get(name, (name,)) for name in self.dense}
         self.raw = views(flat[layout.raw_offset:layout.nbytes].view(layout.raw_dtype), layout.raw, fused)
+        self.linears = packed_linears(self) if buffer is not None else {}
 
     def materialise(self) -> "Dequantised":
         """The block's tensors for one stage."""
@@ -137,35 +138,43 @@ class PackedParts:
 
 
 class Dequantised(Mapping):
-    """local (or fused) name -> tensor for one stage: a linear is dequantised when first looked
-    up (a routed expert's on every lookup), the rest viewed in place."""
+    """local (or fused) name -> what a stage computes with: a linear as a ``PackedLinear`` over
+    the packed bytes (the kernels of ``hetplan.runtime.kernels.linear`` multiply with it, and
+    ``dense()`` dequantises it into its place in the buffer for a stage that needs the matrix),
+    the other tensors viewed in place."""
 
     def __init__(self, view: PackedView):
         self._view = view
-        self._done = set()
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str):
         v = self._view
         if name in v.raw:
             return v.raw[name]
-        for local in v.parts[name]:
-            if local in self._done:
-                continue
-            off, shape, n = v.packed[local]
-            target = v.dense[local].t() if local.endswith("_t") else v.dense[local]
-            quant.dequantise(v.fmt, v.flat[off:off + n], quant.stored_shape(local, shape), target)
-            if local not in v.layout.experts:
-                self._done.add(local)
-        return v.dense[name]
+        return v.linears[name]
 
     def __contains__(self, name) -> bool:
-        return name in self._view.raw or name in self._view.dense
+        return name in self._view.raw or name in self._view.linears
 
     def __iter__(self):
-        return iter((*self._view.dense, *self._view.raw))
+        return iter((*self._view.linears, *self._view.raw))
 
     def __len__(self) -> int:
-        return len(self._view.dense) + len(self._view.raw)
+        return len(self._view.linears) + len(self._view.raw)
+
+
+def packed_linears(v: PackedView) -> dict:
+    """name -> ``PackedLinear`` for each linear of ``v`` and each fused group of them (``parts``):
+    views of the packed bytes, made once per block."""
+    out = {}
+    for name, parts in v.parts.items():
+        segments = []
+        for local in parts:
+            off, shape, n = v.packed[local]
+            segments.append(quant.split(v.fmt, v.flat[off:off + n], quant.stored_shape(local, shape)))
+        cols = quant.stored_shape(parts[0], v.packed[parts[0]][1])[1]
+        target = None if name.endswith("_t") or name in v.layout.experts else v.dense[name]
+        out[name] = PackedLinear(v.fmt, cols, tuple(segments), target)
+    return out
 
 
 def views(buf: torch.Tensor, layout, fused: dict) -> dict:

@@ -1,36 +1,38 @@
 """Quantised formats: byte sizes, quantise and dequantise, for weights and for KV-cache rows.
 
-Every format quantises runs of values: a 2-D linear weight ``[out, in]`` flattened row by row,
-so a block of 32 weights runs along the input dim (rows whose length is a multiple of 32 hold
-whole blocks; the last block of a tensor is zero-padded). A packed weight is one flat uint8
-buffer; its sections come widest element first (fp32, then fp16, then bytes) so each one is a
-valid typed view.
+Every format stores each row on its own: an output row of a linear weight ``[out, in]`` (so a
+block of 32 weights runs along the input dim), or one token's KV values. A row of n values is
+zero-padded to whole blocks and kept as the arrays ``hetplan.dtypes.row_parts`` lists (the
+single definition of the bytes, priced by the planner and allocated here): a packed weight is
+those arrays ``[out, count]`` one after the other in one flat uint8 buffer, widest element
+first so each is a valid typed view (``split``); a KV cache keeps them as ``[..., count]``.
 
-- ``q8_0``: blocks of 32: fp16 scale d = max|x| / 127, int8 q = round(x / d). 34 B / 32 weights.
-- ``q4_0``: blocks of 32: fp16 scale d = max|x| / 7, q = round(x / d) in [-8, 7] stored as
-  q + 8, two per byte (low nibble first). 18 B / 32 weights (4.5 bits).
-- ``int8``: per output row: fp32 scale d = max|x| / 127, int8 values. in + 4 B per row.
-- ``int4``: per output row: fp32 scale d = max|x| / 7, 4-bit values as in q4_0, packed over the
-  flattened tensor. in / 2 + 4 B per row.
+- ``q8_0`` (GGUF's, bit for bit): blocks of 32: d = max|x| / 127 in fp32, q = roundf(x * (1 / d))
+  (half away from zero), d stored fp16; x = d * q. 34 B / 32 weights.
+- ``q4_0`` (GGUF's, bit for bit): blocks of 32: m = the value of largest |x| (first on ties),
+  d = m / -8 in fp32, q = min(15, trunc(x * (1 / d) + 8.5)), d stored fp16; byte j of a
+  block holds q_j (low nibble) and q_{j+16} (high); x = d * (q - 8). 18 B / 32 weights.
+- ``int8``: per row: fp32 scale d = max|x| / 127, int8 values q = round(x / d). n + 4 B.
+- ``int4``: per row: fp32 scale d = max|x| / 7, q = round(x / d) in [-8, 7] stored as q + 8, two
+  per byte (low nibble the even element). ceil(n / 2) + 4 B.
 - ``q4_k_m``: super-blocks of 256 = 8 sub-blocks of 32. Per sub-block j: an fp16 scale d_j and
   an 8-bit min index m_j; per super-block one fp32 min scale dmin; weights x = d_j * q - dmin * m_j
-  with 4-bit q in [0, 15]. 4 + 8 * 2 + 8 + 128 = 156 B / 256 weights = 4.875 bits, the rate the
-  planner prices (GGUF's q4_k_m mixes 4.5-bit q4_K and 6.5625-bit q6_K tensors, about 4.85
-  bits; this format is one fixed rate, not bit-compatible with GGUF).
-All scales are computed in fp32 (then rounded to their stored dtype); rounding is half to even.
+  with 4-bit q in [0, 15], nibbles as int4. 4 + 8 * 2 + 8 + 128 = 156 B / 256 weights = 4.875
+  bits (GGUF's q4_k_m mixes 4.5-bit q4_K and 6.5625-bit q6_K tensors, about 4.85 bits; this
+  format is one fixed rate, not bit-compatible with GGUF).
+int8/int4/q4_k_m scales are computed in fp32 (then rounded to their stored dtype), rounding
+half to even.
 
-KV-cache rows (``quantise_rows``/``dequantise_rows``): each row (one token's values) is
-quantised on its own in the same format, zero-padded to whole blocks (int8/int4: one scale per
-row), and kept as per-row arrays ``[..., count]`` (``row_parts``: scales, then values), so rows
-can be written one token at a time. ``row_nbytes`` gives a row's bytes.
-
-Embeddings, norms and biases are not quantised (``quantises``). Knows nothing about plans,
-devices or models beyond a tensor's local name.
+The kernels that multiply with these bytes are ``hetplan.runtime.kernels.linear``'s. Embeddings,
+norms and biases are not quantised (``quantises``). Knows nothing about plans, devices or
+models beyond a tensor's local name.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hetplan import dtypes
 
 FORMATS = ("q8_0", "q4_0", "int8", "int4", "q4_k_m")
 """Plan weight (and KV) dtypes stored quantised."""
@@ -64,40 +66,24 @@ def _blocks(n: int, size: int) -> int:
     return -(-n // size)
 
 
+TORCH = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8, "uint8": torch.uint8}
+
+
 def nbytes(fmt: str, shape: tuple) -> int:
-    """Bytes of a packed ``[out, in]`` tensor: q8_0 34 * ceil(n / 32), q4_0 18 * ceil(n / 32),
-    int8 out * (in + 4), int4 4 * out + ceil(n / 2), q4_k_m 156 * ceil(n / 256) (n = out * in)."""
+    """Bytes of a packed ``[out, in]`` tensor: out * row_nbytes(fmt, in)."""
     rows, cols = shape
-    n = rows * cols
-    if fmt in _BLOCKED:
-        return row_nbytes(fmt, n)
-    if fmt == "int8":
-        return rows * (cols + 4)
-    if fmt == "int4":
-        return 4 * rows + _blocks(n, 2)
-    raise ValueError(fmt)
+    return rows * row_nbytes(fmt, cols)
 
 
 def row_parts(fmt: str, n: int) -> tuple:
-    """The per-row arrays of a row of ``n`` values, ((dtype, count), ...): q8_0/q4_0 fp16 scales
-    [ceil(n / 32)] and int8 values [32 per block] / packed nibbles [16 per block]; int8/int4 an
-    fp32 scale [1] and int8 values [n] / nibbles [ceil(n / 2)]; q4_k_m per super-block an fp32
-    dmin, 8 fp16 scales, 8 uint8 mins and 128 bytes of nibbles."""
-    if fmt in ("q8_0", "q4_0"):
-        nb = _blocks(n, 32)
-        return ((torch.float16, nb), (torch.int8, 32 * nb) if fmt == "q8_0" else (torch.uint8, 16 * nb))
-    if fmt in ("int8", "int4"):
-        return ((torch.float32, 1), (torch.int8, n) if fmt == "int8" else (torch.uint8, _blocks(n, 2)))
-    if fmt == "q4_k_m":
-        s = _blocks(n, 256)
-        return ((torch.float32, s), (torch.float16, 8 * s), (torch.uint8, 8 * s), (torch.uint8, 128 * s))
-    raise ValueError(fmt)
+    """The arrays of a row of ``n`` values, ((torch dtype, count), ...): ``dtypes.row_parts``."""
+    return tuple((TORCH[dtype], count) for dtype, count in dtypes.row_parts(fmt, n))
 
 
 def row_nbytes(fmt: str, n: int) -> int:
-    """Bytes of one quantised row of ``n`` values: q8_0 34 * ceil(n / 32), q4_0 18 * ceil(n / 32),
-    int8 n + 4, int4 ceil(n / 2) + 4, q4_k_m 156 * ceil(n / 256)."""
-    return sum(count * torch.empty((), dtype=dtype).element_size() for dtype, count in row_parts(fmt, n))
+    """Bytes of one quantised row of ``n`` values (``dtypes.row_bytes``): q8_0 34 * ceil(n / 32),
+    q4_0 18 * ceil(n / 32), int8 n + 4, int4 ceil(n / 2) + 4, q4_k_m 156 * ceil(n / 256)."""
+    return int(dtypes.row_bytes(fmt, n))
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:
@@ -110,6 +96,18 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
 def _unpack4(b: torch.Tensor) -> torch.Tensor:
     """[..., k] bytes -> [..., 2k] nibbles."""
     return torch.stack((b & 15, b >> 4), dim=-1).reshape(*b.shape[:-1], -1)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, 0 where d == 0 (as GGUF's quantisers)."""
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (half away from zero), computed as GGUF's reference does."""
+    a = v.abs()
+    floored = torch.floor(a)
+    return torch.sign(v) * (floored + torch.floor(2 * (a - floored)))
 
 
 def _safe(d: torch.Tensor) -> torch.Tensor:
@@ -137,10 +135,18 @@ def quantise_rows(fmt: str, x: torch.Tensor) -> tuple:
     if fmt in _BLOCKED:
         pad = _blocks(n, _BLOCKED[fmt]) * _BLOCKED[fmt] - n
         x = torch.cat((x, x.new_zeros(m, pad)), dim=1) if pad else x
-    if fmt in ("q8_0", "q4_0"):
-        d, q = _symmetric(x.view(m, -1, 32), 127 if fmt == "q8_0" else 7, torch.float16)  # [M, nb, 1], [M, nb, 32]
-        vals = q.to(torch.int8) if fmt == "q8_0" else _pack4(q + 8)
-        parts = (d.view(m, -1), vals.reshape(m, -1))
+    if fmt == "q8_0":
+        blocks = x.view(m, -1, 32)                                       # [M, nb, 32]
+        d = blocks.abs().amax(dim=-1, keepdim=True) / 127                # fp32
+        q = _roundf(blocks * _inverse(d))
+        parts = (d.half().view(m, -1), q.to(torch.int8).reshape(m, -1))
+    elif fmt == "q4_0":
+        blocks = x.view(m, -1, 32)
+        big = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # the value of largest |x|
+        d = big / -8
+        q = torch.trunc(blocks * _inverse(d) + 8.5).clamp_(0, 15).to(torch.uint8)
+        vals = q[..., :16] | (q[..., 16:] << 4)                           # [M, nb, 16]
+        parts = (d.half().view(m, -1), vals.reshape(m, -1))
     elif fmt in ("int8", "int4"):
         d, q = _symmetric(x, 127 if fmt == "int8" else 7, torch.float32)   # [M, 1], [M, n]
         if fmt == "int4" and n % 2:
@@ -166,8 +172,12 @@ def dequantise_rows(fmt: str, parts: tuple, n: int) -> torch.Tensor:
     lead = parts[0].shape[:-1]
     if fmt in ("q8_0", "q4_0"):
         d, vals = parts
-        q = vals.float() if fmt == "q8_0" else _unpack4(vals).float() - 8
-        x = q.reshape(*lead, -1, 32) * d.float()[..., None]              # [..., nb, 32]
+        if fmt == "q8_0":
+            q = vals.float().reshape(*lead, -1, 32)
+        else:
+            b = vals.reshape(*lead, -1, 16)
+            q = torch.cat((b & 15, b >> 4), dim=-1).float() - 8          # [..., nb, 32]
+        x = q * d.float()[..., None]                                     # [..., nb, 32]
     elif fmt in ("int8", "int4"):
         d, vals = parts
         q = vals.float() if fmt == "int8" else _unpack4(vals)[..., :n].float() - 8
@@ -183,37 +193,22 @@ def dequantise_rows(fmt: str, parts: tuple, n: int) -> torch.Tensor:
 
 
 def quantise(fmt: str, w: torch.Tensor) -> torch.Tensor:
-    """w [out, in] (any float dtype) -> packed uint8 [nbytes(fmt, w.shape)] on w's device."""
-    if fmt in _BLOCKED:  # one row over the flattened tensor: its blocks, scales first
-        return torch.cat([_bytes(p) for p in quantise_rows(fmt, w.reshape(1, -1))])
-    if fmt == "int8":
-        return torch.cat([_bytes(p) for p in quantise_rows(fmt, w)])
-    if fmt == "int4":  # per-row scales, nibbles packed over the flattened tensor
-        d, q = _symmetric(w.float(), 7, torch.float32)                   # [out, 1], [out, in]
-        q = q.reshape(-1)
-        if q.numel() % 2:
-            q = torch.cat((q, q.new_zeros(1)))
-        return torch.cat((_bytes(d), _pack4(q + 8)))
-    raise ValueError(fmt)
+    """w [out, in] (any float dtype) -> packed uint8 [nbytes(fmt, w.shape)] on w's device: each
+    row quantised on its own, the ``row_parts`` arrays [out, count] one after the other."""
+    return torch.cat([_bytes(p) for p in quantise_rows(fmt, w)])
+
+
+def split(fmt: str, packed: torch.Tensor, shape: tuple) -> tuple:
+    """packed uint8 (from ``quantise``) -> its ``row_parts`` arrays, typed views [out, count]."""
+    rows, cols = shape
+    parts, offset = [], 0
+    for dtype, count in row_parts(fmt, cols):
+        size = rows * count * torch.empty((), dtype=dtype).element_size()
+        parts.append(packed[offset:offset + size].view(dtype).view(rows, count))
+        offset += size
+    return tuple(parts)
 
 
 def dequantise(fmt: str, packed: torch.Tensor, shape: tuple, out: torch.Tensor) -> torch.Tensor:
     """packed uint8 (from ``quantise``) -> ``out`` [out, in] (any float dtype, same device)."""
-    rows, cols = shape
-    n = rows * cols
-    if fmt in _BLOCKED:
-        parts, offset = [], 0
-        for dtype, count in row_parts(fmt, n):
-            size = count * torch.empty((), dtype=dtype).element_size()
-            parts.append(packed[offset:offset + size].view(dtype).view(1, count))
-            offset += size
-        x = dequantise_rows(fmt, tuple(parts), n)
-    elif fmt in ("int8", "int4"):
-        d = packed[:4 * rows].view(torch.float32).view(rows, 1)
-        if fmt == "int8":
-            x = dequantise_rows(fmt, (d, packed[4 * rows:].view(torch.int8).view(rows, cols)), cols)
-        else:
-            x = (_unpack4(packed[4 * rows:])[:n].float() - 8).view(rows, cols) * d
-    else:
-        raise ValueError(fmt)
-    return out.copy_(x.reshape(rows, cols))
+    return out.copy_(dequantise_rows(fmt, split(fmt, packed, shape), shape[1]))

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from hetplan.runtime.kernels.linear import linear, linear_t
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
 from hetplan.runtime import kv_cache
@@ -124,12 +125,12 @@ class DenseBackend:
         b, n = x.shape[0], x.shape[1]
         h = self._norm(x, w)
         if "qkv_t" in w:
-            q, k, v = torch.addmm(w["qkv_bias"], h.view(b * n, -1), w["qkv_t"]).split(s.hidden, dim=-1)
+            q, k, v = linear_t(h.view(b * n, -1), w["qkv_t"]).add_(w["qkv_bias"]).split(s.hidden, dim=-1)
         elif "qkv" in w:
             kv_dim = s.n_kv_heads * s.head_dim
-            q, k, v = F.linear(h, w["qkv"], w.get("qkv_bias")).split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
+            q, k, v = linear(h, w["qkv"], w.get("qkv_bias")).split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
         else:
-            q, k, v = (F.linear(h, w[p], w.get(f"{p}_bias")) for p in ("q", "k", "v"))
+            q, k, v = (linear(h, w[p], w.get(f"{p}_bias")) for p in ("q", "k", "v"))
         q = q.reshape(b, n, s.n_heads, s.head_dim)             # [B, S, H, hd]
         k = k.reshape(b, n, s.n_kv_heads, s.head_dim)          # [B, S, KVH, hd]
         v = v.reshape(b, n, s.n_kv_heads, s.head_dim)
@@ -156,7 +157,7 @@ class DenseBackend:
 
     def _attn_out(self, c: StageCall) -> dict:
         w, o, x = c.weights, c.inputs["o"], c.inputs["x"]
-        y = torch.matmul(o, w["o_t"]) if "o_t" in w else F.linear(o, w["o"])
+        y = linear_t(o, w["o_t"]) if "o_t" in w else linear(o, w["o"])
         if "o_bias" in w:
             y += w["o_bias"]
         return {"x": y.add_(x)}
@@ -165,22 +166,22 @@ class DenseBackend:
         w, x = c.weights, c.inputs["x"]
         h = self._norm(x, w)
         if "gate_up" in w:
-            gate, up = F.linear(h, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
-            y = F.linear(self.act(gate).mul_(up), w["down"], w.get("down_bias"))
+            gate, up = linear(h, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
+            y = linear(self.act(gate).mul_(up), w["down"], w.get("down_bias"))
         elif "gate" in w:
-            y = self.act(F.linear(h, w["gate"], w.get("gate_bias"))).mul_(F.linear(h, w["up"], w.get("up_bias")))
-            y = F.linear(y, w["down"], w.get("down_bias"))
+            y = self.act(linear(h, w["gate"], w.get("gate_bias"))).mul_(linear(h, w["up"], w.get("up_bias")))
+            y = linear(y, w["down"], w.get("down_bias"))
         elif "up_t" in w:
-            y = torch.matmul(self.act(torch.matmul(h, w["up_t"]).add_(w["up_bias"])), w["down_t"]).add_(w["down_bias"])
+            y = linear_t(self.act(linear_t(h, w["up_t"]).add_(w["up_bias"])), w["down_t"]).add_(w["down_bias"])
         else:
-            y = F.linear(self.act(F.linear(h, w["up"], w.get("up_bias"))), w["down"], w.get("down_bias"))
+            y = linear(self.act(linear(h, w["up"], w.get("up_bias"))), w["down"], w.get("down_bias"))
         return {"x": y.add_(x)}
 
     def _head(self, c: StageCall) -> dict:
         x = c.inputs["x"]
         if not c.step.all_logits:
             x = x[:, -1]                                       # [B, D]: only the last position
-        logits = F.linear(self._norm(x, c.weights), c.weights["lm"])
+        logits = linear(self._norm(x, c.weights), c.weights["lm"])
         return {"logits": logits.float()}                      # [B, V] or [B, S, V]
 
     def _norm(self, x: torch.Tensor, w) -> torch.Tensor:

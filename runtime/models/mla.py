@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hetplan.runtime.kernels.linear import PackedLinear, linear
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
 
@@ -211,12 +212,12 @@ def mla_project(x: torch.Tensor, w: MlaWeights, spec: ModelSpec, rope: Rope,
     b, s, _ = x.shape
     h, nope, rd, r = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
     if w.q_a is not None:
-        q = F.linear(rms_norm(F.linear(x, w.q_a), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
+        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
     else:
-        q = F.linear(x, w.q)
+        q = linear(x, w.q)
     q = q.view(b, s, h, nope + rd).transpose(1, 2)  # [B, H, S, nope + rope]
     q_nope, q_rope = q.split([nope, rd], dim=-1)
-    latent, k_rope = F.linear(x, w.kv_a).split([r, rd], dim=-1)  # [B, S, r], [B, S, rope]
+    latent, k_rope = linear(x, w.kv_a).split([r, rd], dim=-1)  # [B, S, r], [B, S, rope]
     cos, sin = rope.cos_sin(positions, x.dtype)
     return MlaProjection(q_nope, rope.apply(q_rope, cos, sin),
                          rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS), rope.apply(k_rope, cos, sin))
@@ -249,7 +250,7 @@ def decompressed_attention(p: MlaProjection, latent: torch.Tensor, k_rope: torch
     latent: [B, L, r], k_rope: [B, L, rope] (the cache) -> [B, S, H * v]."""
     b, n_l, _ = latent.shape
     h, nope, v_dim = spec.n_heads, spec.qk_nope_head_dim, spec.v_head_dim
-    kv = F.linear(latent, w.kv_b).view(b, n_l, h, nope + v_dim).transpose(1, 2)  # [B, H, L, nope+v]
+    kv = linear(latent, w.kv_b).view(b, n_l, h, nope + v_dim).transpose(1, 2)  # [B, H, L, nope+v]
     k_nope, v = kv.split([nope, v_dim], dim=-1)
     k = torch.cat([k_nope, k_rope[:, None].expand(b, h, n_l, spec.qk_rope_head_dim)], dim=-1)
     q = torch.cat([p.q_nope, p.q_rope], dim=-1)
@@ -259,7 +260,7 @@ def decompressed_attention(p: MlaProjection, latent: torch.Tensor, k_rope: torch
 
 def _kv_b_heads(w: MlaWeights, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """W_UK [H, nope, r] and W_UV [H, v, r], views of kv_b."""
-    kv_b = w.kv_b.view(spec.n_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
+    kv_b = (w.kv_b.dense() if isinstance(w.kv_b, PackedLinear) else w.kv_b).view(spec.n_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
     return kv_b[:, :spec.qk_nope_head_dim], kv_b[:, spec.qk_nope_head_dim:]
 
 
@@ -299,4 +300,4 @@ def mla_forward(x: torch.Tensor, w: MlaWeights, spec: ModelSpec, rope: Rope, cac
         out = expand_output(o_latent, w, spec)
     else:
         out = decompressed_attention(p, latent, k_rope, w, spec, offset)
-    return F.linear(out, w.o)
+    return linear(out, w.o)

@@ -7,7 +7,8 @@ K/V; every later step attends over the cache, dequantised.
 
 Oracle: transformers with the same fp32 weights, its cache patched to store each token's K/V
 row (after RoPE, as the cache holds it) quantised and dequantised by a numpy re-implementation
-of the format's definition, and to hand the prompt's own forward the exact values. Quantising
+of the format's definition (q8_0/q4_0: the ``gguf`` package's reference quantisers), and to
+hand the prompt's own forward the exact values. Quantising
 is discontinuous: the 1e-7 rounding differences between two fp32 implementations now and then
 move a value across a rounding boundary, a whole quantisation step apart. So the oracle
 quantises the rows the runtime wrote, after checking that they are transformers' own (within
@@ -54,21 +55,20 @@ MODES = ["emulated", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cud
 
 # -- the formats, from their definitions (runtime/kernels/quant.py's docstring) ------------------------------
 def fake_quantised(fmt: str, rows: np.ndarray) -> np.ndarray:
-    """rows [M, n] fp32, each quantised on its own and dequantised: q8_0/q4_0 in blocks of 32
-    (the row zero-padded to whole blocks) with an fp16 scale d = max|x| / 127 (q4_0: / 7),
-    int8 with one fp32 scale d = max|x| / 127 per row; q = round half to even (x / d), clipped
-    to [-127, 127] (q4_0: [-8, 7]); returns q * d."""
+    """rows [M, n] fp32, each quantised on its own and dequantised: q8_0/q4_0 by the ``gguf``
+    package's reference quantiser and dequantiser (the row zero-padded to whole blocks of 32);
+    int8 with one fp32 scale d = max|x| / 127 per row, q = round half to even (x / d), clipped
+    to [-127, 127]; returns q * d."""
     m, n = rows.shape
-    qmax, qmin = (7, -8) if fmt == "q4_0" else (127, -127)
-    if fmt == "int8":
-        blocks, scale_dtype = rows[:, None, :], np.float32
-    else:
+    if fmt in ("q8_0", "q4_0"):
+        gguf = pytest.importorskip("gguf")
         padded = np.zeros((m, -(-n // 32) * 32), np.float32)
         padded[:, :n] = rows
-        blocks, scale_dtype = padded.reshape(m, -1, 32), np.float16
-    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(qmax)).astype(scale_dtype).astype(np.float32)
-    q = np.clip(np.round(blocks / np.where(d == 0, np.float32(1), d)), qmin, qmax)
-    return (q * d).reshape(m, -1)[:, :n]
+        qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+        return gguf.dequantize(gguf.quantize(padded, qtype), qtype).astype(np.float32)[:, :n]
+    d = (np.abs(rows).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q = np.clip(np.round(rows / np.where(d == 0, np.float32(1), d)), -127, 127)
+    return q * d
 
 
 def _fake_quantised_rows(fmt: str, x: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """`hetplan exec` runs plans whose weights are quantised (q8_0, q4_0, int8, int4, q4_k_m).
 
-Each linear weight is stored packed in the plan's format (byte sizes derived by hand from the
-format definitions below) and dequantised per stage into fp32 on the CPU. For tiny llama and gpt2
-models (fp32 checkpoints) the run's logits equal transformers' run with the dequantised weights
-(embedding tables rounded to fp16, the rest untouched), greedy tokens agree, the quantisation
-error against the fp32 model is small, and the emulated GPU holds no more than the plan plus
-emulation's fp32 activations (the plan reserves the dequantisation buffer and counts the fp16
-embedding tables). A q4_k_m plan mixing GPU, streamed and CPU blocks runs too. Quantised MoE
-plans are `test_exec_quant_moe`'s, quantised KV caches `test_exec_kv_quant`'s.
+Each linear weight is stored packed in the plan's format and multiplied by the packed kernels.
+For tiny llama and gpt2 models (fp32 checkpoints) the run's logits equal transformers' run with
+the weights the packed bytes hold, decoded by ``tests.exec.quant_spec`` from the format
+definitions (embedding tables rounded to fp16, the rest untouched): within 1e-4 of the logits'
+scale (fp32 arithmetic in both, the kernels accumulating per block of 32), and greedy tokens
+agree; the quantisation error against the fp32 model is within a bound per format; the emulated
+GPU holds no more than the plan plus emulation's fp32 activations. A q4_k_m plan mixing GPU,
+streamed and CPU blocks runs too. The formats and kernels themselves are
+``test_quant_kernels``'s, quantised MoE plans ``tests.moe``'s, quantised KV caches
+``test_kv_quant``'s.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from hetplan.runtime.kernels import quant
 from hetplan.runtime.backend import backend_for
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.workload import Workload
+from tests.exec import quant_spec
 
 PROMPT_LEN, GEN_LEN, TOL = 8, 8, 1e-4
 PROMPT = (tuple(range(3, 3 + PROMPT_LEN)),)
-BITS = {"q8_0": 34 * 8 / 32, "q4_0": 18 * 8 / 32, "q4_k_m": 156 * 8 / 256}
-"""Bits per weight of the block formats, from their byte layouts (whole blocks)."""
+QUANTISATION_ERROR = {"q8_0": 0.04, "int8": 0.04, "q4_0": 0.5, "q4_k_m": 0.6, "int4": 0.9}
+"""Bound on |logits - fp32 logits| / |fp32 logits| of the first step, per format: about twice
+the error measured on these tiny random models (llama / gpt2: q8_0 2.0 / 1.3%, int8 1.8 / 1.2%,
+q4_0 30 / 21%, q4_k_m 39 / 17%, int4 62 / 27%: 4-bit formats on 64-wide random layers). Each
+element's rounding is bounded exactly in ``test_quant_kernels``."""
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +56,15 @@ def compiled(d, family, fmt, strategy="all-gpu", gpu_mem=None):
     return compile_plan(req)[0]
 
 
+def decoded(fmt, w):
+    """What the runtime's packed bytes of ``w`` [out, in] hold, decoded from the format's definition."""
+    packed = quant.quantise(fmt, w).numpy()
+    return torch.from_numpy(quant_spec.decode(fmt, packed, *w.shape)).float()
+
+
 def dequantised_model(model, spec, fmt):
-    """A copy of ``model`` holding what the runtime computes with: linears quantised and
-    dequantised, embedding tables rounded to fp16, the head's weight its own (untied) matrix."""
+    """A copy of ``model`` holding what the runtime computes with: linears as their packed bytes
+    decode, embedding tables rounded to fp16, the head's weight its own (untied) matrix."""
     backend = backend_for(spec)
     ref = transformers.AutoModelForCausalLM.from_config(model.config).eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -64,9 +76,9 @@ def dequantised_model(model, spec, fmt):
             w = model.state_dict()[name]
             if t.local in quant.EMBEDDINGS:
                 state[name] = w.half().float()
-            elif quant.quantises(t.local, t.shape):
+            elif len(t.shape) == 2:
                 rows = w.t() if t.local.endswith("_t") else w
-                deq = quant.dequantise(fmt, quant.quantise(fmt, rows), rows.shape, torch.empty(rows.shape))
+                deq = decoded(fmt, rows.contiguous())
                 deq = deq.t() if t.local.endswith("_t") else deq
                 if kind == "head":
                     head = deq
@@ -77,31 +89,6 @@ def dequantised_model(model, spec, fmt):
     ref.load_state_dict(state, strict=False)
     ref.lm_head.weight = torch.nn.Parameter(head)      # untied from the (fp16) embedding table
     return ref
-
-
-@pytest.mark.parametrize("fmt", quant.FORMATS)
-@pytest.mark.parametrize("shape", [(64, 64), (96, 64), (7, 33)])
-def test_packed_sizes_follow_the_format_definitions(fmt, shape):
-    out, inp = shape
-    n = out * inp
-    expected = {"q8_0": 34 * -(-n // 32), "q4_0": 18 * -(-n // 32), "int8": out * inp + 4 * out,
-                "int4": -(-n // 2) + 4 * out, "q4_k_m": 156 * -(-n // 256)}[fmt]
-    w = torch.randn(shape)
-    assert quant.quantise(fmt, w).numel() == expected == quant.nbytes(fmt, shape)
-
-
-def test_formats_are_priced_at_their_rates():
-    assert BITS["q4_k_m"] == 156 * 8 / 256 and BITS["q8_0"] == 8.5 and BITS["q4_0"] == 4.5
-
-
-@pytest.mark.parametrize("fmt,qmax", [("q8_0", 127), ("int8", 127), ("q4_0", 7), ("int4", 7), ("q4_k_m", 7.5)])
-def test_dequantised_error_is_at_most_half_a_step(fmt, qmax):
-    """Symmetric formats round to steps of max|x| / qmax; q4_k_m to steps of range / 15 plus
-    the min's 8-bit rounding."""
-    w = torch.randn(16, 64)
-    deq = quant.dequantise(fmt, quant.quantise(fmt, w), w.shape, torch.empty(w.shape))
-    step = w.abs().max() / qmax
-    assert (deq - w).abs().max() <= step * 0.55 + 1e-6
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -120,11 +107,10 @@ def test_logits_match_transformers_with_dequantised_weights(setup, family, fmt):
         exact = models[family](ids).logits[:, -1]
     steps = torch.stack(out.logits)                               # [G, B, V]
     got = torch.stack(result.logits)
-    assert (got - steps).abs().max().item() <= TOL
+    assert (got - steps).abs().max().item() <= TOL * steps.abs().max().item()
     assert result.tokens == out.sequences[:, PROMPT_LEN:].tolist()
-    # Quantisation error against the fp32 model: a loose sanity bound on the first logits.
     rel = ((got[0] - exact).norm() / exact.norm()).item()
-    assert rel < (0.05 if fmt in ("q8_0", "int8") else 1.0)
+    assert rel < QUANTISATION_ERROR[fmt]
 
 
 def activation_allowance(plan) -> float:

@@ -34,6 +34,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from hetplan.runtime.kernels.linear import linear
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
 from hetplan.runtime import kv_cache
@@ -166,12 +167,12 @@ class MoeBackend(DenseBackend):
         b, n = x.shape[0], x.shape[1]
         h = _rms_norm(x, w["norm"], s.norm_eps)
         if "q_a" in w:
-            q = F.linear(_rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
+            q = linear(_rms_norm(linear(h, w["q_a"]), w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
         else:
-            q = F.linear(h, w["q"])
+            q = linear(h, w["q"])
         q = q.view(b, n, s.n_heads, -1).transpose(1, 2)                      # [B, H, S, nope + rope]
         q_nope, q_rope = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
-        kv_a = F.linear(h, w["kv_a"])
+        kv_a = linear(h, w["kv_a"])
         latent, k_rope = kv_a.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)  # [B, S, r], [B, S, rope]
         rope = self._ropes[c.device]
         positions = torch.arange(c.step.start, c.step.start + n, device=c.device)
@@ -200,7 +201,7 @@ class MoeBackend(DenseBackend):
             return super()._attn_out(c)
         w = c.weights
         o = expand_output(c.inputs["o_lat"], _kv_b(w), self.spec)            # [B, S, H * v]
-        return {"x": F.linear(o, w["o"]).add_(c.inputs["x"])}
+        return {"x": linear(o, w["o"]).add_(c.inputs["x"])}
 
 
 def _kv_b(w) -> MlaWeights:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hetplan.runtime.kernels.linear import PackedLinear, linear
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
 from hetplan.routing import RoutingStats, stats_from_counts, write_routing
@@ -61,6 +62,8 @@ class Expert:
 
     @classmethod
     def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> "Expert":
+        if isinstance(gate, PackedLinear):
+            return cls(PackedLinear.cat([gate, up]), down)
         return cls(torch.cat([gate, up], dim=0), down)
 
 
@@ -83,8 +86,8 @@ class MoeLayer:
 
 def swiglu(x: torch.Tensor, expert: Expert, act: str = "silu") -> torch.Tensor:
     """down(act(x gate^T) * (x up^T)); x: [T, D] -> [T, D]."""
-    gate, up = F.linear(x, expert.gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(activation(act)(gate) * up, expert.down)
+    gate, up = linear(x, expert.gate_up).chunk(2, dim=-1)  # [T, I] each
+    return linear(activation(act)(gate) * up, expert.down)
 
 
 def activation(name: str):
@@ -99,9 +102,9 @@ def route(hidden: torch.Tensor, router: Router, spec: ModelSpec) -> tuple[torch.
     """Choose ``k`` experts per token. hidden: [T, D] -> (ids [T, k] int64, weights [T, k]);
     weights are fp32, except qwen3_moe's, which its reference casts to the hidden dtype."""
     if spec.arch == "mixtral":
-        return _softmax_topk(F.linear(hidden, router.weight), spec.experts_per_token, renormalise=True)
+        return _softmax_topk(linear(hidden, router.weight), spec.experts_per_token, renormalise=True)
     if spec.arch == "qwen3_moe":
-        logits = F.linear(hidden, router.weight)
+        logits = linear(hidden, router.weight)
         ids, weights = _softmax_topk(logits, spec.experts_per_token,
                                      renormalise=bool(spec.extra.get("norm_topk_prob", True)))
         return ids, weights.to(logits.dtype)
@@ -146,7 +149,8 @@ def deepseek_settings(spec: ModelSpec) -> dict:
 def _deepseek(hidden: torch.Tensor, router: Router, spec: ModelSpec):
     s = deepseek_settings(spec)
     k, n_e = spec.experts_per_token, spec.n_experts
-    logits = F.linear(hidden.float(), router.weight.float())  # [T, E]
+    weight = router.weight if isinstance(router.weight, PackedLinear) else router.weight.float()
+    logits = linear(hidden.float(), weight)  # [T, E]
     if s["topk_method"] == "noaux_tc":
         scores = logits.sigmoid()
         choice = scores if router.correction_bias is None else scores + router.correction_bias.float()

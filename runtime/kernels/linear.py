@@ -1,0 +1,137 @@
+"""Linear layers on weights as they are stored: packed quantised bytes, 16-bit or fp32 tensors.
+
+Stages call ``linear(x, w, bias)`` (``F.linear``'s contract: y = x @ w^T + bias) with ``w``
+either a tensor or a ``PackedLinear``, the packed rows of one linear (or of several fused ones,
+``qkv``/``gate_up``, concatenated along the output dim) as ``quant.split`` views them. Where
+it runs:
+
+- a packed weight on the CPU: the native kernel (``native``), which reads the packed bytes:
+  for up to 8 rows of x each block of 32 weights is dequantised in registers and multiplied
+  at once (decode reads each weight byte once per step); for more rows a tile of about 1 MiB
+  of weights is dequantised into cache and multiplied by torch's GEMM (prefill).
+- a packed weight elsewhere (CUDA), or where the native kernel did not build: the same tiling
+  in torch, a tile of ``TILE_ELEMS`` weights dequantised (``quant.dequantise_rows``) and
+  multiplied at a time, never the whole weight.
+- a bf16/fp16 tensor on a CPU without native 16-bit arithmetic (no AVX512-BF16 / AVX512-FP16,
+  ``cpu_has_16bit``) with up to 8 rows of x: the native kernel, upcasting each block of 32 in
+  registers (decode near the bandwidth bound); otherwise ``F.linear``.
+
+A ``PackedLinear`` also dequantises whole (``dense()``) for the few stages that need the
+matrix itself (MLA's absorbed ``kv_b``). Knows nothing about plans, tiers or models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hetplan.runtime.kernels import native, quant
+
+FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "int8": 2, "int4": 3, "q4_k_m": 4, torch.bfloat16: 5, torch.float16: 6}
+"""The native kernel's format numbers (``qmatmul.cpp``'s ``Fmt``)."""
+SMALL_M = 8
+"""Rows of x up to which the native kernel multiplies directly (its ``SMALL_M``)."""
+TILE_ELEMS = 1 << 20
+"""Weights dequantised at a time by the torch path."""
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A linear weight ``[sum of rows, cols]`` in format ``fmt``: ``segments`` are each one
+    packed linear's ``quant.split`` arrays (each ``[rows, count]``), stacked along the output dim."""
+    fmt: str
+    cols: int
+    segments: tuple
+    target: torch.Tensor | None = None
+    """Where ``dense()`` dequantises to (a view of the stage's dequantisation buffer), if anywhere."""
+
+    @property
+    def shape(self) -> tuple:
+        return (sum(s[0].shape[0] for s in self.segments), self.cols)
+
+    @property
+    def device(self) -> torch.device:
+        return self.segments[0][0].device
+
+    def data_ptr(self) -> int:
+        """Address of the first packed byte (where the weight lies: a block's bytes or a slot)."""
+        return self.segments[0][0].data_ptr()
+
+    @classmethod
+    def cat(cls, parts: list) -> "PackedLinear":
+        """``parts`` (same format and cols) stacked along the output dim."""
+        if len({(p.fmt, p.cols) for p in parts}) != 1:
+            raise ValueError("PackedLinear.cat: parts of different formats or widths")
+        return cls(parts[0].fmt, parts[0].cols, tuple(s for p in parts for s in p.segments))
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole matrix, dequantised (into ``target`` where one is set)."""
+        x = torch.cat([quant.dequantise_rows(self.fmt, seg, self.cols) for seg in self.segments])
+        return self.target.copy_(x) if self.target is not None else x.to(dtype)
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T (+ bias): ``F.linear`` for a tensor ``w``, the packed kernels for a
+    ``PackedLinear``."""
+    if isinstance(w, PackedLinear):
+        y = packed_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+    elif _native_16bit(x, w):
+        y = native.module().matmul(x.reshape(-1, x.shape[-1]).float(), FORMAT_IDS[w.dtype], w.shape[1], [w])
+        y = y.to(x.dtype).view(*x.shape[:-1], -1)
+    else:
+        return F.linear(x, w, bias)
+    return y.add_(bias) if bias is not None else y
+
+
+def linear_t(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w for a checkpoint's transposed ``[in, out]`` tensor (GPT-2's Conv1D); a packed one
+    holds ``[out, in]`` rows already (``quant.stored_shape``)."""
+    return linear(x, w) if isinstance(w, PackedLinear) else torch.matmul(x, w)
+
+
+def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype, reading ``w``'s packed bytes."""
+    mod = native.module() if w.device.type == "cpu" else None
+    outs = []
+    for seg in w.segments:
+        if mod is not None:
+            outs.append(mod.matmul(x.float().contiguous(), FORMAT_IDS[w.fmt], w.cols, list(seg)).to(x.dtype))
+        else:
+            outs.append(_tiled(x, w.fmt, w.cols, seg))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _tiled(x: torch.Tensor, fmt: str, cols: int, seg: tuple) -> torch.Tensor:
+    """The torch path: ``TILE_ELEMS`` weights at a time dequantised and multiplied."""
+    rows = seg[0].shape[0]
+    step = max(1, TILE_ELEMS // max(cols, 1))
+    out = x.new_empty(x.shape[0], rows)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        tile = quant.dequantise_rows(fmt, tuple(p[r0:r1] for p in seg), cols).to(x.dtype)
+        out[:, r0:r1] = x @ tile.t()
+    return out
+
+
+_CPU_16BIT: dict = {}
+
+
+def cpu_has_16bit(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` natively (AVX512-BF16 for bf16, AVX512-FP16 for
+    fp16; ``HETPLAN_CPU_16BIT=0`` answers no, to run the upcasting kernel)."""
+    import os
+    if os.environ.get("HETPLAN_CPU_16BIT") == "0":
+        return False
+    if dtype not in _CPU_16BIT:
+        flags = set(native.cpu_flags().split())
+        _CPU_16BIT[dtype] = ("avx512_bf16" if dtype == torch.bfloat16 else "avx512_fp16") in flags
+    return _CPU_16BIT[dtype]
+
+
+def _native_16bit(x: torch.Tensor, w) -> bool:
+    """A 16-bit weight on a CPU that upcasts it, at a decode-sized x: the native kernel's case."""
+    return (w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" and w.dim() == 2
+            and w.stride(1) == 1 and x.numel() // x.shape[-1] <= SMALL_M and not cpu_has_16bit(w.dtype)
+            and native.module() is not None)

@@ -1,0 +1,355 @@
+// y[M, N] = x[M, K] @ W^T for a weight W [N, K] held packed (hetplan.runtime.kernels.quant) or
+// in a 16-bit float dtype, reading the packed bytes: no whole-weight dequantisation.
+//
+// Every format stores each output row on its own (quant.row_parts): for row n, block b of 32
+// values (the row zero-padded to whole blocks; int8/int4 scale whole rows):
+//   q8_0   w = d[n, b] * q[n, 32 b + t]                         d fp16, q int8
+//   q4_0   w = d[n, b] * (nib - 8), byte 16 b + j holds t = j (low) and t = j + 16 (high)
+//   int8   w = d[n] * q[n, k]                                   d fp32, q int8 [N, K]
+//   int4   w = d[n] * (nib(k) - 8), byte k / 2, low nibble for even k
+//   q4_k_m w = d[n, b] * nib - dmin[n, b / 8] * m[n, b], nibbles as int4 within the row
+//   bf16/fp16: w = float(W[n, k])
+// Small M (decode): each thread takes a range of rows n; per block the 32 weights are
+// dequantised into registers and multiplied with every row of x (fp32 accumulation), so the
+// weight bytes are read once per call. Large M (prefill): a tile of rows is dequantised into an
+// fp32 scratch that stays in cache and multiplied by at::mm.
+// Plain C++ written for the compiler's vectoriser (built with -O3 and the host's -march); it
+// runs correctly on any x86-64 or ARM CPU the compiler targets.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+#include <cstring>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HETPLAN_AVX512 1
+#endif
+#include <vector>
+
+namespace {
+
+enum Fmt { Q8_0 = 0, Q4_0 = 1, INT8 = 2, INT4 = 3, Q4_K_M = 4, BF16 = 5, FP16 = 6 };
+
+struct Rows {
+  int fmt;
+  int64_t K;
+  const uint8_t* p[4];   // the row_parts arrays, each [N, count]
+  int64_t stride[4];     // bytes per row of each array
+};
+
+inline float h2f(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// The 32 weights of block b of row n into out (zeros past K).
+template <int FMT>
+inline void block(const Rows& r, int64_t n, int64_t b, float* __restrict out) {
+  const int64_t k0 = 32 * b;
+  const int64_t valid = std::min<int64_t>(32, r.K - k0);
+  switch (FMT) {
+    case Q8_0: {
+      const float d = h2f(r.p[0] + n * r.stride[0] + 2 * b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(r.p[1] + n * r.stride[1] + k0);
+      for (int t = 0; t < 32; ++t) out[t] = d * static_cast<float>(q[t]);
+      break;
+    }
+    case Q4_0: {
+      const float d = h2f(r.p[0] + n * r.stride[0] + 2 * b);
+      const uint8_t* q = r.p[1] + n * r.stride[1] + 16 * b;
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * static_cast<float>(static_cast<int>(q[j] & 15) - 8);
+        out[j + 16] = d * static_cast<float>(static_cast<int>(q[j] >> 4) - 8);
+      }
+      break;
+    }
+    case INT8: {
+      const float d = *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
+      const int8_t* q = reinterpret_cast<const int8_t*>(r.p[1] + n * r.stride[1] + k0);
+      if (valid == 32) {
+        for (int t = 0; t < 32; ++t) out[t] = d * static_cast<float>(q[t]);
+      } else {
+        for (int t = 0; t < 32; ++t) out[t] = t < valid ? d * static_cast<float>(q[t]) : 0.f;
+      }
+      break;
+    }
+    case INT4: {
+      const float d = *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
+      const uint8_t* q = r.p[1] + n * r.stride[1] + 16 * b;
+      if (valid == 32) {
+        for (int j = 0; j < 16; ++j) {
+          out[2 * j] = d * static_cast<float>(static_cast<int>(q[j] & 15) - 8);
+          out[2 * j + 1] = d * static_cast<float>(static_cast<int>(q[j] >> 4) - 8);
+        }
+      } else {
+        for (int t = 0; t < 32; ++t) {
+          const int nib = t & 1 ? q[t / 2] >> 4 : q[t / 2] & 15;
+          out[t] = t < valid ? d * static_cast<float>(nib - 8) : 0.f;
+        }
+      }
+      break;
+    }
+    case Q4_K_M: {
+      const float dmin = *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0] + 4 * (b / 8));
+      const float d = h2f(r.p[1] + n * r.stride[1] + 2 * b);
+      const float m = dmin * static_cast<float>(r.p[2][n * r.stride[2] + b]);
+      const uint8_t* q = r.p[3] + n * r.stride[3] + 16 * b;
+      for (int j = 0; j < 16; ++j) {
+        out[2 * j] = d * static_cast<float>(q[j] & 15) - m;
+        out[2 * j + 1] = d * static_cast<float>(q[j] >> 4) - m;
+      }
+      break;
+    }
+    case BF16: {
+      const uint16_t* w = reinterpret_cast<const uint16_t*>(r.p[0] + n * r.stride[0]) + k0;
+      if (valid == 32) {
+        for (int t = 0; t < 32; ++t) {
+          const uint32_t bits = static_cast<uint32_t>(w[t]) << 16;
+          std::memcpy(out + t, &bits, 4);
+        }
+      } else {
+        for (int t = 0; t < 32; ++t) {
+          const uint32_t bits = t < valid ? static_cast<uint32_t>(w[t]) << 16 : 0u;
+          std::memcpy(out + t, &bits, 4);
+        }
+      }
+      break;
+    }
+    case FP16: {
+      const c10::Half* w = reinterpret_cast<const c10::Half*>(r.p[0] + n * r.stride[0]) + k0;
+      for (int t = 0; t < 32; ++t) out[t] = t < valid ? static_cast<float>(w[t]) : 0.f;
+      break;
+    }
+  }
+}
+
+Rows rows_of(int64_t fmt, int64_t K, const std::vector<torch::Tensor>& parts) {
+  TORCH_CHECK(fmt >= Q8_0 && fmt <= FP16, "qmatmul: unknown format id ", fmt);
+  TORCH_CHECK(!parts.empty() && parts.size() <= 4, "qmatmul: 1 to 4 packed arrays");
+  Rows r{static_cast<int>(fmt), K, {nullptr, nullptr, nullptr, nullptr}, {0, 0, 0, 0}};
+  const int64_t N = parts[0].size(0);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& t = parts[i];
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(0) == N && t.stride(1) == 1,
+                "qmatmul: packed array ", i, " must be a CPU [N, count] row-major view");
+    r.p[i] = static_cast<const uint8_t*>(t.data_ptr());
+    r.stride[i] = t.stride(0) * t.element_size();
+  }
+  return r;
+}
+
+constexpr int64_t SMALL_M = 8;   // rows of x up to which the direct kernel runs
+
+#ifdef HETPLAN_AVX512
+inline float h2f_fast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m512 nib_lo(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(15)))); }
+inline __m512 nib_hi(__m128i v) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15))));
+}
+
+// Block b of row n (a whole block, inside K) as two vectors: values t = 0..15 and 16..31.
+template <int FMT>
+inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w1) {
+  const int64_t k0 = 32 * b;
+  if (FMT == Q8_0 || FMT == INT8) {
+    const float d = FMT == Q8_0 ? h2f_fast(r.p[0] + n * r.stride[0] + 2 * b)
+                                : *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
+    const __m512 vd = _mm512_set1_ps(d);
+    const uint8_t* q = r.p[1] + n * r.stride[1] + k0;
+    w0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+    w1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
+  } else if (FMT == Q4_0) {
+    const __m512 vd = _mm512_set1_ps(h2f_fast(r.p[0] + n * r.stride[0] + 2 * b));
+    const __m512 eight = _mm512_set1_ps(8.f);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.p[1] + n * r.stride[1] + 16 * b));
+    w0 = _mm512_mul_ps(vd, _mm512_sub_ps(nib_lo(v), eight));
+    w1 = _mm512_mul_ps(vd, _mm512_sub_ps(nib_hi(v), eight));
+  } else if (FMT == INT4 || FMT == Q4_K_M) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        (FMT == INT4 ? r.p[1] + n * r.stride[1] : r.p[3] + n * r.stride[3]) + 16 * b));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+    if (FMT == INT4) {
+      const __m512 vd = _mm512_set1_ps(*reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]));
+      const __m512 eight = _mm512_set1_ps(8.f);
+      w0 = _mm512_mul_ps(vd, _mm512_sub_ps(a, eight));
+      w1 = _mm512_mul_ps(vd, _mm512_sub_ps(c, eight));
+    } else {
+      const float dmin = *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0] + 4 * (b / 8));
+      const __m512 vd = _mm512_set1_ps(h2f_fast(r.p[1] + n * r.stride[1] + 2 * b));
+      const __m512 vm = _mm512_set1_ps(dmin * static_cast<float>(r.p[2][n * r.stride[2] + b]));
+      w0 = _mm512_fmsub_ps(vd, a, vm);
+      w1 = _mm512_fmsub_ps(vd, c, vm);
+    }
+  } else if (FMT == BF16) {
+    const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
+    w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))), 16));
+  } else {
+    const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
+    w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
+  }
+}
+#endif
+
+// Rows [n0, n1) of y for M rows of x (padded to Kp): FMT and M known at compile time, so the
+// block's 32 weights and the M accumulators stay in vector registers (AVX-512 intrinsics where
+// the compiler targets them; the portable loop otherwise, and for a row's partial last block).
+template <int FMT, int M>
+void direct_rows(const Rows& r, const float* __restrict x, int64_t Kp, float* __restrict y, int64_t ldy,
+                 int64_t n0, int64_t n1) {
+  const int64_t nb = Kp / 32, whole = r.K / 32;
+  alignas(64) float w[32];
+  for (int64_t n = n0; n < n1; ++n) {
+#ifdef HETPLAN_AVX512
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < whole; ++b) {
+      __m512 w0, w1;
+      block_vec<FMT>(r, n, b, w0, w1);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * Kp + 32 * b;
+        acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), w0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), w1, acc[m][1]);
+      }
+    }
+    for (int64_t b = whole; b < nb; ++b) {
+      block<FMT>(r, n, b, w);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * Kp + 32 * b;
+        acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), _mm512_load_ps(w), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), _mm512_load_ps(w + 16), acc[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#else
+    alignas(64) float acc[M][32];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < 32; ++t) acc[m][t] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      block<FMT>(r, n, b, w);
+      for (int m = 0; m < M; ++m) {
+        const float* __restrict xb = x + m * Kp + 32 * b;
+        for (int t = 0; t < 32; ++t) acc[m][t] += xb[t] * w[t];
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int t = 0; t < 32; ++t) s += acc[m][t];
+      y[m * ldy + n] = s;
+    }
+#endif
+  }
+}
+
+// Rows [a, e) of W into o (rows of K fp32 values, row n at o + (n - n0) * K).
+template <int FMT>
+void dequantise_rows(const Rows& r, int64_t n0, int64_t a, int64_t e, float* o) {
+  const int64_t K = r.K, nb = (K + 31) / 32, whole = K / 32;
+  alignas(64) float w[32];
+  for (int64_t n = a; n < e; ++n) {
+    float* row = o + (n - n0) * K;
+    int64_t b = 0;
+#ifdef HETPLAN_AVX512
+    for (; b < whole; ++b) {
+      __m512 w0, w1;
+      block_vec<FMT>(r, n, b, w0, w1);
+      _mm512_storeu_ps(row + 32 * b, w0);
+      _mm512_storeu_ps(row + 32 * b + 16, w1);
+    }
+#endif
+    for (; b < nb; ++b) {
+      block<FMT>(r, n, b, w);
+      std::memcpy(row + 32 * b, w, sizeof(float) * std::min<int64_t>(32, K - 32 * b));
+    }
+  }
+}
+
+template <int FMT>
+void direct_fmt(const Rows& r, const float* x, int64_t M, int64_t N, int64_t Kp, float* y, int64_t ldy) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: return direct_rows<FMT, 1>(r, x, Kp, y, ldy, n0, n1);
+      case 2: return direct_rows<FMT, 2>(r, x, Kp, y, ldy, n0, n1);
+      case 3: return direct_rows<FMT, 3>(r, x, Kp, y, ldy, n0, n1);
+      case 4: return direct_rows<FMT, 4>(r, x, Kp, y, ldy, n0, n1);
+      case 5: return direct_rows<FMT, 5>(r, x, Kp, y, ldy, n0, n1);
+      case 6: return direct_rows<FMT, 6>(r, x, Kp, y, ldy, n0, n1);
+      case 7: return direct_rows<FMT, 7>(r, x, Kp, y, ldy, n0, n1);
+      default: return direct_rows<FMT, 8>(r, x, Kp, y, ldy, n0, n1);
+    }
+  });
+}
+
+void direct(const Rows& r, const float* x, int64_t M, int64_t N, int64_t Kp, float* y, int64_t ldy) {
+  switch (r.fmt) {
+    case Q8_0: return direct_fmt<Q8_0>(r, x, M, N, Kp, y, ldy);
+    case Q4_0: return direct_fmt<Q4_0>(r, x, M, N, Kp, y, ldy);
+    case INT8: return direct_fmt<INT8>(r, x, M, N, Kp, y, ldy);
+    case INT4: return direct_fmt<INT4>(r, x, M, N, Kp, y, ldy);
+    case Q4_K_M: return direct_fmt<Q4_K_M>(r, x, M, N, Kp, y, ldy);
+    case BF16: return direct_fmt<BF16>(r, x, M, N, Kp, y, ldy);
+    default: return direct_fmt<FP16>(r, x, M, N, Kp, y, ldy);
+  }
+}
+
+}  // namespace
+
+// W's rows [n0, n1) dequantised into out [n1 - n0, K] (fp32).
+void dequantise(int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, int64_t n0, int64_t n1,
+                torch::Tensor out) {
+  const Rows r = rows_of(fmt, K, parts);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat32 && out.size(0) == n1 - n0 &&
+              out.size(1) == K, "dequantise: out must be a contiguous fp32 [n1 - n0, K] tensor");
+  float* o = out.data_ptr<float>();
+  at::parallel_for(n0, n1, 4, [&](int64_t a, int64_t e) {
+    switch (r.fmt) {
+      case Q8_0: return dequantise_rows<Q8_0>(r, n0, a, e, o);
+      case Q4_0: return dequantise_rows<Q4_0>(r, n0, a, e, o);
+      case INT8: return dequantise_rows<INT8>(r, n0, a, e, o);
+      case INT4: return dequantise_rows<INT4>(r, n0, a, e, o);
+      case Q4_K_M: return dequantise_rows<Q4_K_M>(r, n0, a, e, o);
+      case BF16: return dequantise_rows<BF16>(r, n0, a, e, o);
+      default: return dequantise_rows<FP16>(r, n0, a, e, o);
+    }
+  });
+}
+
+// x [M, K] fp32 -> y [M, N] fp32 with W (format fmt, arrays parts, N rows of K values).
+torch::Tensor matmul(torch::Tensor x, int64_t fmt, int64_t K, std::vector<torch::Tensor> parts) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat32,
+              "qmatmul: x must be a CPU fp32 [M, K] tensor, K = ", K);
+  const Rows r = rows_of(fmt, K, parts);
+  const int64_t M = x.size(0), N = parts[0].size(0), Kp = (K + 31) / 32 * 32;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (M <= SMALL_M) {
+    torch::Tensor xp = x.contiguous();
+    if (Kp != K) xp = torch::constant_pad_nd(xp, {0, Kp - K});
+    direct(r, xp.data_ptr<float>(), M, N, Kp, y.data_ptr<float>(), N);
+    return y;
+  }
+  // a tile of about 1 MiB of fp32 weights, in cache while at::mm reads it
+  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / Kp / 16 * 16));
+  auto scratch = torch::empty({tile, K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t n1 = std::min(N, n0 + tile);
+    auto w = scratch.narrow(0, 0, n1 - n0);
+    dequantise(fmt, K, parts, n0, n1, w);
+    y.narrow(1, n0, n1 - n0).copy_(torch::mm(x, w.t()));
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("matmul", &matmul, "y = x @ W^T, W packed (format id, K, row arrays)");
+  m.def("dequantise", &dequantise, "rows [n0, n1) of a packed W into an fp32 tensor");
+}
