@@ -65,3 +65,16 @@ def test_wheel_holds_and_imports_every_module(tmp_path):
     where = json.loads(out)
     outside = {n: f for n, f in where.items() if not Path(f).resolve().is_relative_to(unpacked.resolve())}
     assert outside == {}, "modules imported from outside the wheel"
+
+
+def test_every_pure_module_imports_first_in_a_fresh_interpreter():
+    """Import order must not matter: each torch-free module is imported first in its own process
+    (an import cycle shows only when a cycle's later module is imported first)."""
+    pure = sorted(n for n in _source_modules() if not n.startswith("hetplan.runtime") and n != "hetplan.__main__")
+    code = "import sys, importlib\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    failed = {}
+    for name in pure:
+        res = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, cwd=REPO)
+        if res.returncode:
+            failed[name] = res.stderr.strip().splitlines()[-1]
+    assert failed == {}

@@ -6,6 +6,15 @@ one) or an ``.onnx`` decoder export; ``hf_config`` knows each family's config ke
 machines, costs, solvers or torch: a frontend only says what the model is.
 """
 
-from hetplan.frontends.resolve import load_model
+from __future__ import annotations
 
 __all__ = ["load_model"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that a frontend module (hf_config, which the presets import) can be imported
+    # first without this package importing the presets back.
+    if name == "load_model":
+        from hetplan.frontends.resolve import load_model
+        return load_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
