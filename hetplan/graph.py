@@ -12,6 +12,7 @@ This module knows shapes, FLOPs and bytes; it knows nothing about machines or se
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import networkx as nx
@@ -101,32 +102,46 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     stages = {}
     for phase in PHASES:
         tokens = wl.batch * (wl.prompt_len if phase == "prefill" else 1)
+        pieces = [wl.batch * c for _, c in wl.chunks()] if phase == "prefill" else [wl.batch]
+
+        def per_chunk(make) -> Work:
+            return chunked(make, pieces)
+
         hidden_in = tokens * spec.hidden * act
         chain = [Stage("embed", "embed", cost.embed_work(tokens, spec), 0.0)]
         for b in blocks[1:-1]:
             l = b.layer
             if b.kind == "attn":
-                core = (cost.attention_prefill_work(wl.batch, wl.prompt_len, spec) if phase == "prefill"
+                core = (cost.attention_prefill_work(wl.batch, wl.prompt_len, spec, wl.chunks()) if phase == "prefill"
                         else cost.attention_decode_work(wl.batch, wl.decode_context_len, spec))
                 chain += [
-                    Stage(b.name, "attn_in", cost.linear_work(tokens, spec.attn_params() - o_params, spec,
-                                                              "attn_in"), hidden_in),
+                    Stage(b.name, "attn_in", per_chunk(lambda t: cost.linear_work(t, spec.attn_params() - o_params,
+                                                                                  spec, "attn_in")), hidden_in),
                     Stage(b.name, "attn_core", core, tokens * qkv_bytes,
                           follows="kv" if phase == "decode" else "exec"),
-                    Stage(b.name, "attn_out", cost.linear_work(tokens, o_params, spec, "attn_out"),
+                    Stage(b.name, "attn_out", per_chunk(lambda t: cost.linear_work(t, o_params, spec, "attn_out")),
                           tokens * spec.attn_out_dim * act),
                 ]
             elif b.kind == "moe":
                 fr = routing.expert_fractions(l, spec) if routing is not None else None
-                chain.append(Stage(b.name, "moe", cost.moe_work(tokens, spec, fr), hidden_in))
+                chain.append(Stage(b.name, "moe", per_chunk(lambda t, fr=fr: cost.moe_work(t, spec, fr)), hidden_in))
             else:
-                chain.append(Stage(b.name, "mlp", cost.linear_work(tokens, spec.mlp_params(l), spec, "mlp"),
+                chain.append(Stage(b.name, "mlp", per_chunk(lambda t, l=l: cost.linear_work(t, spec.mlp_params(l), spec, "mlp")),
                                    hidden_in))
         # Only the last position of each sequence needs logits.
         chain.append(Stage("head", "head", cost.linear_work(wl.batch, spec.head_params(), spec, "head"),
                            wl.batch * spec.hidden * act))
         stages[phase] = tuple(chain)
     return BlockGraph(spec, wl, tuple(blocks), stages)
+
+
+def chunked(make, pieces: list) -> Work:
+    """The work of a stage run once per prefill chunk: ``make(tokens)`` for each chunk's tokens
+    (batch * c_i), FLOPs and bytes summed (a chunk re-reads the stage's weights), one task round
+    per chunk; keyed for a profile table by the whole stage's tokens."""
+    works = [make(t) for t in pieces]
+    return dataclasses.replace(works[0], flops=sum(w.flops for w in works), bytes=sum(w.bytes for w in works),
+                               tokens=sum(pieces), tasks=len(pieces))
 
 
 def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float:

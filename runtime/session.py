@@ -151,7 +151,7 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     programs = {ph: build_program(ph, plan.schedule[ph], backend.reads, backend.writes, kv_names)
                 for ph in ("prefill", "decode")}
     with torch.inference_mode(), Executor(programs, backend, residency, devices, opts.trace) as ex:
-        run = _generate(ex, programs, devices, ids, gen_len, opts, progress)
+        run = _generate(ex, programs, devices, ids, gen_len, opts, progress, wl.prefill_chunk or 0)
 
     batch = ids.shape[0]
     tpot_s = sum(run.step_s) / len(run.step_s) if run.step_s else None
@@ -180,15 +180,17 @@ class _Generation:
 
 
 def _generate(ex: Executor, programs: dict, devices: Devices, ids: torch.Tensor, gen_len: int, opts: RunOptions,
-              progress) -> _Generation:
-    """Prefill once, then one decode step per further token, sampling after each."""
+              progress, chunk: int = 0) -> _Generation:
+    """Prefill once (in chunks of ``chunk`` tokens, 0: at once), then one decode step per further
+    token, sampling after each."""
     batch, prompt_len = ids.shape
     gen = torch.Generator().manual_seed(opts.seed)
     step_s, kept, tasks = [], [], {"prefill": [], "decode": []}
 
     def forward(phase, start, new_ids):
         dev = devices.device(programs[phase].inputs["ids"])
-        step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill")
+        step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill",
+                    chunk=chunk if phase == "prefill" else 0)
         values, timings = ex.run(phase, step, {"ids": new_ids.to(dev)})
         return values["logits"].float().cpu(), timings
 
