@@ -56,3 +56,14 @@ def test_chunked_prefill_matches_transformers(model, node, chunk):
     result = run_plan(plan, RunOptions(weights=model_dir, prompt_ids=(tuple(ids[0].tolist()),), gen_len=GEN_LEN,
                                        all_logits=True, keep_logits=True, emulate=True))
     check_matches(result, ref)
+
+
+@pytest.mark.parametrize("chunk", (5, 8))
+def test_chunked_prefill_with_kv_in_dram_matches_transformers(model, node, chunk):
+    """Attention on the GPU, every KV cache in DRAM: each chunk's K/V is copied down."""
+    model_dir, ids, ref = model
+    plan = cpu_kv_plan(model_dir, node, prompt_len=PROMPT, prefill_chunk=chunk)
+    assert plan.workload.n_chunks == -(-PROMPT // chunk)
+    result = run_plan(plan, RunOptions(weights=model_dir, prompt_ids=(tuple(ids[0].tolist()),), gen_len=GEN_LEN,
+                                       all_logits=True, keep_logits=True, emulate=True))
+    check_matches(result, ref)
