@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.graph import workspace_bytes
 from hetplan.runtime.session import RunOptions, run_plan
+from hetplan.workload import Workload
+from tests.conftest import tiny_spec
+from tests.exec.stage_memory import prefill_peak_bytes
 from tests.exec.test_numerics import GEN_LEN, TOL, cpu_kv_plan, reference, save_tiny_model
 from tests.tiny_models import TINY_GPU_NODE
 
@@ -67,3 +71,22 @@ def test_chunked_prefill_with_kv_in_dram_matches_transformers(model, node, chunk
     result = run_plan(plan, RunOptions(weights=model_dir, prompt_ids=(tuple(ids[0].tolist()),), gen_len=GEN_LEN,
                                        all_logits=True, keep_logits=True, emulate=True))
     check_matches(result, ref)
+
+
+@pytest.mark.parametrize("dtype", ("fp32", "bf16"))
+@pytest.mark.parametrize("batch,prompt,chunk", [(1, 256, 256), (1, 256, 64), (2, 256, 32), (2, 512, 512),
+                                                (1, 1024, 100), (2, 1024, 256)])
+def test_planned_workspace_covers_what_the_prefill_allocates(dtype, batch, prompt, chunk):
+    """The planner's workspace is at least the peak of live activation bytes measured op by op
+    (``stage_memory``) and at most 10% above it (the mask of a small last chunk is priced at
+    full length before the projections' temporaries are freed)."""
+    spec = tiny_spec(weight_dtype=dtype, kv_dtype=dtype)
+    measured = prefill_peak_bytes(spec, batch, prompt, chunk)
+    planned = workspace_bytes(spec, Workload(batch, prompt, 1, prefill_chunk=chunk), "gpu")
+    assert measured <= planned <= 1.10 * measured
+
+
+def test_smaller_chunks_allocate_less():
+    spec = tiny_spec(weight_dtype="fp32", kv_dtype="fp32")
+    peaks = [prefill_peak_bytes(spec, 1, 1024, c) for c in (1024, 256, 64)]
+    assert peaks[0] > peaks[1] > peaks[2]
