@@ -19,6 +19,7 @@ from hetplan.hardware import HardwareSpec, load_node
 from hetplan.model import ModelSpec
 from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan
+from hetplan.graph import workspace_bytes
 from hetplan.problem import Problem, build_problem
 from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
@@ -266,10 +267,7 @@ def diagnose(problem: Problem) -> str:
              f" = {format_bytes(need)}, but GPU {format_bytes(problem.gpu_budget_bytes)} + CPU "
              f"{format_bytes(problem.cpu_budget_bytes)} = {format_bytes(have)} are available"]
     if need > have:
-        lines.append(f"missing {format_bytes(need - have)} in total. Fixes: a smaller weight dtype "
-                     f"(--weight-dtype q4_k_m needs about {format_bytes(weights * bytes_per_element('q4_k_m') / spec.weight_bytes_per_param)}),"
-                     f" a smaller batch or context (KV is {format_bytes(kv / max(1, wl.batch))} per sequence),"
-                     f" or more memory (--cpu-mem / --gpu-mem, or a bigger node)")
+        lines.append(f"missing {format_bytes(need - have)} in total. Fixes: " + ", ".join(_fixes(problem, need - have)))
     elif problem.gpu_workspace_bytes > problem.gpu_budget_bytes:
         lines.append(f"the GPU budget is smaller than one forward pass's activation workspace "
                      f"({format_bytes(problem.gpu_workspace_bytes)} for batch {wl.batch} x prompt "
@@ -281,6 +279,46 @@ def diagnose(problem: Problem) -> str:
         lines.append("the CPU tier cannot hold what the GPU cannot: give it more DRAM (--cpu-mem) "
                      "or use a smaller batch, context or weight dtype")
     return "; ".join(lines)
+
+
+KV_DTYPES = ("bf16", "q8_0", "q4_0")
+"""KV dtypes the diagnosis may suggest, widest first."""
+
+
+def _fixes(problem: Problem, missing: float) -> list:
+    """What would recover ``missing`` bytes, each computed for this problem: a smaller prefill
+    chunk (workspace), a narrower KV dtype, a smaller weight dtype, a smaller batch; never a
+    dtype or chunk already in use."""
+    spec, wl, hw = problem.model, problem.workload, problem.hw
+    kv = sum(b.kv_bytes for b in problem.blocks)
+    weights = sum(b.weight_bytes for b in problem.blocks)
+    ws = problem.gpu_workspace_bytes + problem.cpu_workspace_bytes
+    out = []
+    if wl.chunk_len > 512:
+        small = wl.with_chunk(512)
+        ws_small = workspace_bytes(spec, small, "cpu") + (workspace_bytes(spec, small, "gpu") if problem.has_gpu else 0)
+        out.append(f"--prefill-chunk 512 (workspace {format_bytes(ws)} -> {format_bytes(ws_small)})")
+    for dtype in KV_DTYPES:
+        if bytes_per_element(dtype) < bytes_per_element(spec.kv_dtype):
+            smaller = kv * bytes_per_element(dtype) / bytes_per_element(spec.kv_dtype)
+            out.append(f"--kv-dtype {dtype} (KV {format_bytes(kv)} -> about {format_bytes(smaller)}"
+                       f"{', enough' if kv - smaller >= missing else ''})")
+            break
+    for dtype in ("q8_0", "q4_k_m"):
+        if bytes_per_element(dtype) < spec.weight_bytes_per_param:
+            smaller = weights * bytes_per_element(dtype) / spec.weight_bytes_per_param
+            out.append(f"--weight-dtype {dtype} (weights {format_bytes(weights)} -> about {format_bytes(smaller)}"
+                       f"{', enough' if weights - smaller >= missing else ''})")
+            break
+    if wl.batch > 1:
+        per_seq = kv / wl.batch
+        fit = max(1, wl.batch - int(-(-missing // per_seq))) if per_seq else wl.batch
+        out.append(f"a smaller --batch (KV is {format_bytes(per_seq)} per sequence; --batch {fit} frees "
+                   f"{format_bytes(per_seq * (wl.batch - fit))})")
+    else:
+        out.append(f"a shorter context (KV is {format_bytes(kv)} for {wl.context_len} tokens)")
+    out.append("or more memory (--cpu-mem / --gpu-mem, or a bigger node)")
+    return out
 
 
 def over_budget(plan: Plan) -> str:

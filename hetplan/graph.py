@@ -160,7 +160,8 @@ def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float
     - ``attn_in``: t (D + (q + kv) [n > 1]) held + c (D + (q + kv) (1 + [n > 1]) + 4 q): the
       normed input, the fused projection (and, chunked, q/k/v laid out per head before they are
       copied into the whole outputs), four rotary temporaries of q;
-    - ``attn_core``: t (D + q + kv + o [n > 1]) held + c o (the kernel's output) + batch * heads * C * 4 (fp32 log-sum-exp) + for n > 1 the last chunk's mask,
+    - ``attn_core``: t (D + q + kv) held (chunked, each chunk's output overwrites its own
+      queries) + c o (the kernel's output) + batch * heads * C * 4 (fp32 log-sum-exp) + for n > 1 the last chunk's mask,
       C * P * (1 + e) bytes (boolean, then additive in the compute dtype);
     - ``attn_out``: t (D + o + D [n > 1]) + c D;
     - ``mlp``/``moe``: t (D + D [n > 1]) + c (2 D + 3 I): normed input, gate and up, activation,
@@ -180,7 +181,7 @@ def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float
     mask = chunk * wl.prompt_len * (1 + e) if wl.n_chunks > 1 else 0
     stages = [
         t * (d + whole * (q + kv)) * e + max(norm, c * (d + (1 + whole) * (q + kv) + 4 * q) * e),
-        t * (d + q + kv + whole * o) * e + c * o * e + wl.batch * spec.n_heads * chunk * 4 + mask,
+        t * (d + q + kv) * e + c * o * e + wl.batch * spec.n_heads * chunk * 4 + mask,
         t * (d + o + whole * d) * e + c * d * e,
         t * (d + whole * d) * e + max(norm, c * (2 * d + 3 * mlp_w) * e),
         wl.batch * (d * (2 + 4 / e) + spec.vocab) * e + wl.batch * spec.vocab * 4,

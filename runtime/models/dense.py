@@ -167,11 +167,12 @@ class DenseBackend:
 
     def _attn_core_chunked(self, c: StageCall) -> dict:
         """Chunk i (positions s..s+n-1) writes its K/V to the cache and attends over the prefix
-        [0, s + n), causally offset by s; the output fills [B, S, H*hd] chunk by chunk."""
+        [0, s + n), causally offset by s; its output overwrites its own queries (no later chunk
+        reads them; q is read by this stage alone), so [B, S, H*hd] is filled in q's storage."""
         q, k, v = c.inputs["q"], c.inputs["k"], c.inputs["v"]
         start, (b, total, h, hd) = c.step.start, q.shape
         scale = 1.0 if self.q_scale is not None else None
-        o = q.new_empty((b, total, h * hd))
+        o = q.view(b, total, h * hd) if q.is_contiguous() else q.new_empty((b, total, h * hd))
         for s, n in c.step.chunks():
             e = s + n
             if c.kv is not None:
