@@ -304,12 +304,13 @@ def _fixes(problem: Problem, missing: float) -> list:
             out.append(f"--kv-dtype {dtype} (KV {format_bytes(kv)} -> about {format_bytes(smaller)}"
                        f"{', enough' if kv - smaller >= missing else ''})")
             break
-    for dtype in ("q8_0", "q4_k_m"):
-        if bytes_per_element(dtype) < spec.weight_bytes_per_param:
-            smaller = weights * bytes_per_element(dtype) / spec.weight_bytes_per_param
-            out.append(f"--weight-dtype {dtype} (weights {format_bytes(weights)} -> about {format_bytes(smaller)}"
-                       f"{', enough' if weights - smaller >= missing else ''})")
-            break
+    narrower = [d for d in ("q8_0", "q4_k_m") if bytes_per_element(d) < spec.weight_bytes_per_param]
+    enough = [d for d in narrower if weights * (1 - bytes_per_element(d) / spec.weight_bytes_per_param) >= missing]
+    if narrower:  # the widest dtype that is enough, else the narrowest
+        dtype = (enough or narrower[-1:])[0]
+        smaller = weights * bytes_per_element(dtype) / spec.weight_bytes_per_param
+        out.append(f"--weight-dtype {dtype} (weights {format_bytes(weights)} -> about {format_bytes(smaller)}"
+                   f"{', enough' if dtype in enough else ''})")
     if wl.batch > 1:
         per_seq = kv / wl.batch
         fit = max(1, wl.batch - int(-(-missing // per_seq))) if per_seq else wl.batch
