@@ -21,10 +21,11 @@ from hetplan.hardware import HardwareSpec, load_node
 from hetplan.model import ModelSpec
 from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan
+from hetplan.graph import workspace_bytes
 from hetplan.problem import Problem, build_problem
 from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
-from hetplan.workload import Workload
+from hetplan.workload import Workload, chunk_candidates
 
 STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe")
 COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
@@ -50,6 +51,8 @@ class CompileRequest:
     max_nodes: int = 30
     mip_gap: float = 1e-4
     stream_cold_experts: bool = False
+    prefill_chunk: int | None = None
+    """``--prefill-chunk``: prompt tokens per prefill chunk (None: the planner chooses)."""
     routing: str | dict | None = None
     """Routing statistics of an MoE model: a file path (``--routing``) or the parsed document
     (what a plan records, so that it recompiles without the file)."""
@@ -70,6 +73,8 @@ class CompileRequest:
             d.pop("mip_gap")
         if not d["stream_cold_experts"]:
             d.pop("stream_cold_experts")
+        if d["prefill_chunk"] is None:
+            d.pop("prefill_chunk")
         return d
 
 
@@ -127,8 +132,11 @@ def load_request_routing(req: CompileRequest, spec: ModelSpec):
 
 
 def _workload(req: CompileRequest, batch: int | None = None) -> Workload:
+    """The request's workload, with its ``--prefill-chunk`` or else the smallest chunk the planner
+    would try (what fit checks and diagnoses assume)."""
+    chunk = req.prefill_chunk or chunk_candidates(req.prompt_len)[0]
     return Workload(batch=batch or req.batch, prompt_len=req.prompt_len, gen_len=req.gen_len,
-                    objective=req.objective)
+                    objective=req.objective, prefill_chunk=min(chunk, req.prompt_len))
 
 
 def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest):
@@ -246,7 +254,36 @@ def weights_bound(spec: ModelSpec, hw: HardwareSpec, auto: bool) -> None:
 
 
 def _compile_one(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan, float]:
-    with progress.step(f"building the problem ({spec.n_layers} layers, batch {wl.batch})"):
+    """Compile at ``--prefill-chunk``, or else at each of ``chunk_candidates`` (smallest first),
+    keeping the first chunk size whose objective no larger one beats: the smallest workspace that
+    wins."""
+    if req.prefill_chunk is not None:
+        return _compile_chunk(spec, hw, wl.with_chunk(min(req.prefill_chunk, wl.prompt_len)), req, strategy,
+                              arg, routing)
+    best, total, failure = None, 0.0, None
+    for chunk in chunk_candidates(wl.prompt_len):
+        try:
+            plan, secs = _compile_chunk(spec, hw, wl.with_chunk(chunk), req, strategy, arg, routing)
+        except InfeasibleError as e:
+            failure = failure or e
+            continue
+        total += secs
+        if best is None or _objective(plan) < _objective(best) * (1 - 1e-9):  # strictly better
+            best = plan
+    if best is None:
+        raise failure
+    return best, total
+
+
+def _objective(plan: Plan) -> float:
+    """What the plan's objective minimises (``evaluate.objective_s`` on its predictions)."""
+    key = {"ttft": "ttft_s", "tpot": "tpot_s"}.get(plan.workload.objective, "latency_s")
+    return plan.predicted[key]
+
+
+def _compile_chunk(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan, float]:
+    chunked = f", prompt in chunks of {wl.chunk_len}" if wl.n_chunks > 1 else ""
+    with progress.step(f"building the problem ({spec.n_layers} layers, batch {wl.batch}{chunked})"):
         problem = build_problem(spec, hw, wl, routing=routing)
     with progress.step(f"solving with strategy {strategy} (Ctrl-C stops)"):
         dec, info, secs = decide(problem, strategy, arg, req)

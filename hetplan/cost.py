@@ -1,8 +1,9 @@
 """The cost model: bytes and FLOPs in, seconds out. No solver, no plan, no torch.
 
 Every formula is a small function whose docstring states it. Times follow a roofline: a task
-takes ``max(flops / (peak * eff_flops), bytes / (bandwidth * eff_mem)) + latency``, where
-``latency`` is a fixed per-task cost (kernel launches, dispatch). Transfers take
+takes ``max(flops / (peak * eff_flops), bytes / (bandwidth * eff_mem)) + tasks * latency``, where
+``latency`` is a fixed per-task cost (kernel launches, dispatch) and ``tasks`` the rounds a
+chunked prefill stage runs (one per chunk). Transfers take
 ``bytes / (link * eff_link) + latency``. Measured profile tables, when present, replace the
 analytic time of an op (see ``hetplan.profile.table``).
 """
@@ -24,6 +25,9 @@ class Work:
     bytes: float
     op: str = "linear"
     tokens: int = 1
+    tasks: int = 1
+    """Kernel rounds the task issues (a chunked prefill stage runs once per chunk): each pays the
+    fixed per-task latency."""
 
 
 def activation_bytes_per_elem(spec: ModelSpec) -> int:
@@ -38,18 +42,21 @@ def roofline_seconds(flops: float, nbytes: float, peak_flops: float, bandwidth: 
 
 
 def gpu_seconds(work: Work, spec: ModelSpec, hw: HardwareSpec) -> float:
-    """Roofline time of ``work`` on the GPU (HBM bandwidth, tensor-core peak of the compute dtype)."""
+    """Roofline time of ``work`` on the GPU (HBM bandwidth, tensor-core peak of the compute dtype),
+    one latency per task round."""
     g, eff = hw.gpu, hw.efficiency
     return roofline_seconds(work.flops, work.bytes, g.peak_flops(compute_dtype(spec.weight_dtype)),
-                            g.mem_bytes_per_s, eff["gpu_flops"], eff["gpu_mem"], hw.latency_s["gpu_task"])
+                            g.mem_bytes_per_s, eff["gpu_flops"], eff["gpu_mem"],
+                            work.tasks * hw.latency_s["gpu_task"])
 
 
 def cpu_seconds(work: Work, spec: ModelSpec, hw: HardwareSpec) -> float:
-    """Roofline time of ``work`` on the CPU (DRAM bandwidth; fp32 peak for fp32 weights, else bf16)."""
+    """Roofline time of ``work`` on the CPU (DRAM bandwidth; fp32 peak for fp32 weights, else bf16),
+    one latency per task round."""
     c, eff = hw.cpu, hw.efficiency
     dtype = "fp32" if spec.weight_dtype == "fp32" else "bf16"
     return roofline_seconds(work.flops, work.bytes, c.peak_flops(dtype), c.mem_bytes_per_s,
-                            eff["cpu_flops"], eff["cpu_mem"], hw.latency_s["cpu_task"])
+                            eff["cpu_flops"], eff["cpu_mem"], work.tasks * hw.latency_s["cpu_task"])
 
 
 def h2d_seconds(nbytes: float, hw: HardwareSpec) -> float:
@@ -73,16 +80,22 @@ def linear_work(tokens: int, params: float, spec: ModelSpec, op: str = "linear")
                 op=op, tokens=tokens)
 
 
-def attention_prefill_work(batch: int, prompt_len: int, spec: ModelSpec) -> Work:
-    """Causal attention over the prompt: flops = 4 * batch * heads * d_qk * P(P+1)/2
-    (QK^T and PV, causal half); bytes = write the prompt's KV (batch * P * kv_bytes_per_token)
-    + read q and write the output (batch * P * (q_dim + out_dim) * act_bytes)."""
+def attention_prefill_work(batch: int, prompt_len: int, spec: ModelSpec, chunks: tuple | None = None) -> Work:
+    """Causal attention over the prompt in chunks ((start s_i, length c_i), ...; None: one chunk).
+    The first chunk is causal over itself (c_0 (c_0 + 1) / 2 query-key pairs); a later chunk
+    attends over its whole prefix through a mask (c_i (s_i + c_i) pairs, all computed).
+    flops = 4 * batch * heads * d_qk * pairs (QK^T and PV); bytes = write the prompt's KV
+    (batch * P * kv_bytes_per_token) + read q and write the output (batch * P * (q_dim +
+    out_dim) * act) + per later chunk, re-read the prefix's K/V activations (batch * s_i *
+    kv_elems * act) and its mask (c_i (s_i + c_i) * (1 + act): boolean and additive)."""
     act = activation_bytes_per_elem(spec)
-    d_qk = spec.head_dim
-    pairs = prompt_len * (prompt_len + 1) / 2
-    flops = 4.0 * batch * spec.n_heads * d_qk * pairs
+    chunks = chunks or ((0, prompt_len),)
+    pairs = chunks[0][1] * (chunks[0][1] + 1) / 2 + sum(c * (s + c) for s, c in chunks[1:])
+    flops = 4.0 * batch * spec.n_heads * spec.head_dim * pairs
     nbytes = batch * prompt_len * (spec.kv_bytes_per_token() + (spec.q_dim + spec.attn_out_dim) * act)
-    return Work(flops=flops, bytes=nbytes, op="attention_prefill", tokens=batch * prompt_len)
+    nbytes += sum(batch * s * spec.kv_elems_per_token() * act + c * (s + c) * (1 + act) for s, c in chunks[1:])
+    return Work(flops=flops, bytes=nbytes, op="attention_prefill", tokens=batch * prompt_len,
+                tasks=len(chunks))
 
 
 def attention_decode_work(batch: int, context: float, spec: ModelSpec) -> Work:

@@ -36,6 +36,7 @@ def fixes(problem: Problem, strategy: str = "ilp") -> list:
     if strategy != "ilp":
         out.append("--strategy ilp (it places what fits, streaming or computing the rest on the CPU)")
     if not fits_at_all(problem):
+        out += _long_context_fixes(problem)
         smaller = sorted((d for d in BITS_PER_ELEMENT if BITS_PER_ELEMENT[d] < BITS_PER_ELEMENT[spec.weight_dtype]),
                          key=lambda d: -BITS_PER_ELEMENT[d])
         for dtype in smaller:
@@ -62,6 +63,36 @@ def fixes(problem: Problem, strategy: str = "ilp") -> list:
     more = need - problem.gpu_budget_bytes - problem.cpu_budget_bytes
     if more > 0:
         out.append(f"--cpu-mem {_round_up_gib(problem.cpu_budget_bytes + more)} (if the machine has that much DRAM)")
+    return out
+
+
+KV_DTYPES = ("q8_0", "q4_0")
+"""Narrower KV-cache dtypes the diagnosis may suggest, widest first."""
+
+
+def _long_context_fixes(problem: Problem) -> list:
+    """For a long context: a smaller ``--prefill-chunk`` (the workspace is one chunk's), then a
+    narrower ``--kv-dtype``, alone or with the smaller chunk; each only if it makes the problem
+    fit, never a chunk or dtype already in use."""
+    spec, wl = problem.model, problem.workload
+    out, chunk = [], None
+    ws = problem.gpu_workspace_bytes + problem.cpu_workspace_bytes
+    if wl.chunk_len > 512:
+        small = _variant(problem, prefill_chunk=512)
+        ws_small = small.gpu_workspace_bytes + small.cpu_workspace_bytes
+        if fits_at_all(small):
+            return [f"--prefill-chunk 512 (workspace {format_bytes(ws)} -> {format_bytes(ws_small)})"]
+        chunk = 512
+    for dtype in KV_DTYPES:
+        if BITS_PER_ELEMENT[dtype] >= BITS_PER_ELEMENT.get(spec.kv_dtype, 0):
+            continue
+        narrow = spec.with_dtypes(weight_dtype=spec.weight_dtype, kv_dtype=dtype)
+        if fits_at_all(_variant(problem, narrow)):
+            out.append(f"--kv-dtype {dtype}")
+            break
+        if chunk and fits_at_all(_variant(problem, narrow, prefill_chunk=chunk)):
+            out.append(f"--kv-dtype {dtype} --prefill-chunk {chunk}")
+            break
     return out
 
 

@@ -12,6 +12,7 @@ This module knows shapes, FLOPs and bytes; it knows nothing about machines or se
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import networkx as nx
@@ -101,26 +102,31 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     stages = {}
     for phase in PHASES:
         tokens = wl.batch * (wl.prompt_len if phase == "prefill" else 1)
+        pieces = [wl.batch * c for _, c in wl.chunks()] if phase == "prefill" else [wl.batch]
+
+        def per_chunk(make) -> Work:
+            return chunked(make, pieces)
+
         hidden_in = tokens * spec.hidden * act
         chain = [Stage("embed", "embed", cost.embed_work(tokens, spec), 0.0)]
         for b in blocks[1:-1]:
             l = b.layer
             if b.kind == "attn":
-                core = (cost.attention_prefill_work(wl.batch, wl.prompt_len, spec) if phase == "prefill"
+                core = (cost.attention_prefill_work(wl.batch, wl.prompt_len, spec, wl.chunks()) if phase == "prefill"
                         else cost.attention_decode_work(wl.batch, wl.decode_context_len, spec))
                 chain += [
-                    Stage(b.name, "attn_in", cost.linear_work(tokens, spec.attn_params() - o_params, spec,
-                                                              "attn_in"), hidden_in),
+                    Stage(b.name, "attn_in", per_chunk(lambda t: cost.linear_work(t, spec.attn_params() - o_params,
+                                                                                  spec, "attn_in")), hidden_in),
                     Stage(b.name, "attn_core", core, tokens * qkv_bytes,
                           follows="kv" if phase == "decode" else "exec"),
-                    Stage(b.name, "attn_out", cost.linear_work(tokens, o_params, spec, "attn_out"),
+                    Stage(b.name, "attn_out", per_chunk(lambda t: cost.linear_work(t, o_params, spec, "attn_out")),
                           tokens * spec.attn_out_dim * act),
                 ]
             elif b.kind == "moe":
                 fr = routing.expert_fractions(l, spec) if routing is not None else None
-                chain.append(Stage(b.name, "moe", cost.moe_work(tokens, spec, fr), hidden_in))
+                chain.append(Stage(b.name, "moe", per_chunk(lambda t, fr=fr: cost.moe_work(t, spec, fr)), hidden_in))
             else:
-                chain.append(Stage(b.name, "mlp", cost.linear_work(tokens, spec.mlp_params(l), spec, "mlp"),
+                chain.append(Stage(b.name, "mlp", per_chunk(lambda t, l=l: cost.linear_work(t, spec.mlp_params(l), spec, "mlp")),
                                    hidden_in))
         # Only the last position of each sequence needs logits.
         chain.append(Stage("head", "head", cost.linear_work(wl.batch, spec.head_params(), spec, "head"),
@@ -129,25 +135,62 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     return BlockGraph(spec, wl, tuple(blocks), stages)
 
 
+def chunked(make, pieces: list) -> Work:
+    """The work of a stage run once per prefill chunk: ``make(tokens)`` for each chunk's tokens
+    (batch * c_i), FLOPs and bytes summed (a chunk re-reads the stage's weights), one task round
+    per chunk; keyed for a profile table by the whole stage's tokens."""
+    works = [make(t) for t in pieces]
+    return dataclasses.replace(works[0], flops=sum(w.flops for w in works), bytes=sum(w.bytes for w in works),
+                               tokens=sum(pieces), tasks=len(pieces))
+
+
 def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float:
-    """Peak activation workspace of a forward pass on one device: the prefill's widest
-    intermediate (T * max(q+k+v, 2 * mlp width, 3 * hidden) elements, T = batch * prompt),
-    attention scores for one layer (batch * heads * P * P, fp32) and the logits
-    (batch * vocab, fp32); MLA's latent-space query and output when wider; with quantised
-    weights, plus the dequantisation buffer (``dequant_buffer_elems`` at ``DEQUANT_BYTES[device]``
-    each); with a quantised KV cache, plus one layer's cache dequantised for reading."""
-    act = cost.activation_bytes_per_elem(spec)
-    t = wl.batch * wl.prompt_len
-    width = max(spec.q_dim + spec.kv_elems_per_token(), 2 * max(spec.intermediate,
-                spec.moe_intermediate * max(1, spec.experts_per_token)), 3 * spec.hidden)
+    """Peak activation bytes of a forward pass on one device: the prefill's largest stage, plus
+    with quantised weights the dequantisation buffer (``dequant_buffer_elems`` at
+    ``DEQUANT_BYTES[device]`` each), plus with a quantised KV cache one layer's cache dequantised
+    for reading (batch * context * kv_elems * DEQUANT_BYTES).
+
+    A stage holds values at full length t = batch * P (layer-major chunked prefill keeps the
+    residual stream of the whole prompt) and temporaries for one chunk c = batch * C, each
+    element ``e`` bytes (activation dtype); D hidden, q = q_dim, kv = kv_elems_per_token,
+    o = attn_out_dim, I = mlp width (for MoE: moe_intermediate * experts_per_token, or the dense
+    width when larger). With n chunks > 1 a token-wise stage's output is allocated whole and
+    filled chunk by chunk (``[n > 1]`` below):
+
+    - ``attn_in``: t (D + (q + kv) [n > 1]) held + c (D + (q + kv) (1 + [n > 1]) + 4 q): the
+      normed input, the fused projection (and, chunked, q/k/v laid out per head before they are
+      copied into the whole outputs), four rotary temporaries of q;
+    - ``attn_core``: t (D + q + kv) held (chunked, each chunk's output overwrites its own
+      queries) + c o (the kernel's output) + batch * heads * C * 4 (fp32 log-sum-exp) + for n > 1 the last chunk's mask,
+      C * P * (1 + e) bytes (boolean, then additive in the compute dtype);
+    - ``attn_out``: t (D + o + D [n > 1]) + c D;
+    - ``mlp``/``moe``: t (D + D [n > 1]) + c (2 D + 3 I): normed input, gate and up, activation,
+      down projection;
+    - ``head`` (last position only): batch * (D (2 + 4 / e) + vocab) * e + batch * vocab * 4
+      (logits in fp32) — small;
+    - MLA (absorbed attention): t * heads * (2 kv_lora_rank + qk_rope_head_dim) held latent-space
+      query and output, whole-prompt projections.
+    Norm temporaries (fp32, 8 c D bytes plus the fp32 copy of a 16-bit input) precede the
+    projections, so they count only when they exceed the projection phase."""
+    e = cost.activation_bytes_per_elem(spec)
+    t, c, chunk = wl.batch * wl.prompt_len, wl.batch * wl.chunk_len, wl.chunk_len
+    whole = 1 if wl.n_chunks > 1 else 0
+    d, q, kv, o = spec.hidden, spec.q_dim, spec.kv_elems_per_token(), spec.attn_out_dim
+    mlp_w = max(spec.intermediate, spec.moe_intermediate * max(1, spec.experts_per_token))
+    norm = c * d * (8 + (4 if e != 4 else 0))
+    mask = chunk * wl.prompt_len * (1 + e) if wl.n_chunks > 1 else 0
+    stages = [
+        t * (d + whole * (q + kv)) * e + max(norm, c * (d + (1 + whole) * (q + kv) + 4 * q) * e),
+        t * (d + q + kv) * e + c * o * e + wl.batch * spec.n_heads * chunk * 4 + mask,
+        t * (d + o + whole * d) * e + c * d * e,
+        t * (d + whole * d) * e + max(norm, c * (2 * d + 3 * mlp_w) * e),
+        wl.batch * (d * (2 + 4 / e) + spec.vocab) * e + wl.batch * spec.vocab * 4,
+    ]
     if spec.is_mla:  # absorbed attention: q in latent space, its rope part, and the latent output
-        width = max(width, spec.n_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim))
-    scores = wl.batch * spec.n_heads * wl.prompt_len * wl.prompt_len * 4
+        stages.append(t * (d + spec.n_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)) * e + mask)
     # a quantised KV cache is read through a dequantised copy of one layer's used prefix
-    kv_read = (wl.batch * wl.context_len * spec.kv_elems_per_token() * DEQUANT_BYTES[device]
-               if spec.kv_dtype in QUANTISED else 0)
-    return (t * (width + 2 * spec.hidden) * act + scores + wl.batch * spec.vocab * 4
-            + dequant_buffer_elems(spec) * DEQUANT_BYTES[device] + kv_read)
+    kv_read = (wl.batch * wl.context_len * kv * DEQUANT_BYTES[device] if spec.kv_dtype in QUANTISED else 0)
+    return max(stages) + dequant_buffer_elems(spec) * DEQUANT_BYTES[device] + kv_read
 
 
 def dequant_buffer_elems(spec: ModelSpec) -> int:

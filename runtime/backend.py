@@ -93,6 +93,14 @@ class Step:
     batch: int
     all_logits: bool = False
     """``head`` returns logits at every new position instead of the last one only."""
+    chunk: int = 0
+    """Prefill chunk: token-wise stages compute ``chunk`` positions at a time and attention
+    attends chunk by chunk over the growing prefix (0: all new tokens at once)."""
+
+    def chunks(self) -> tuple:
+        """((start, length), ...) of the chunks of the new tokens, relative to ``start``."""
+        c = self.chunk if 0 < self.chunk < self.new_tokens else self.new_tokens
+        return tuple((s, min(c, self.new_tokens - s)) for s in range(0, self.new_tokens, c))
 
 
 @dataclass(frozen=True)

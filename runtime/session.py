@@ -178,7 +178,8 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     try:
         with torch.inference_mode(), Executor(programs, backend, residency, devices, opts.trace,
                                               progress=progress) as ex:
-            run = _generate(ex, programs, devices, ids, gen_len, opts, progress, after_warmup)
+            run = _generate(ex, programs, devices, ids, gen_len, opts, progress, after_warmup,
+                            wl.prefill_chunk or 0)
     except torch.cuda.OutOfMemoryError:
         raise HetplanError(f"GPU memory budget exceeded: the run needed more than the plan's budget of "
                            f"{plan.memory['gpu_budget_bytes'] / 2**30:.2f} GiB (the allocator is capped at it); "
@@ -215,16 +216,17 @@ class _Generation:
 
 
 def _generate(ex: Executor, programs: dict, devices: Devices, ids: torch.Tensor, gen_len: int, opts: RunOptions,
-              progress, after_warmup) -> _Generation:
+              progress, after_warmup, chunk: int = 0) -> _Generation:
     """Warm up (``opts.warmup``: the prefill and one decode step, untimed, the prefill's time
-    kept as the cold TTFT), then prefill, then one decode step per further token, sampling after
-    each."""
+    kept as the cold TTFT), then prefill (in chunks of ``chunk`` tokens, 0: at once), then one
+    decode step per further token, sampling after each."""
     batch, prompt_len = ids.shape
     step_s, kept, tasks = [], [], {"prefill": [], "decode": []}
 
     def forward(phase, start, new_ids):
         dev = devices.device(programs[phase].inputs["ids"])
-        step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill")
+        step = Step(phase, start, new_ids.shape[1], batch, all_logits=opts.all_logits and phase == "prefill",
+                    chunk=chunk if phase == "prefill" else 0)
         values, timings = ex.run(phase, step, {"ids": new_ids.to(dev)})
         return values["logits"].to(device="cpu", dtype=torch.float32, copy=True), timings
 

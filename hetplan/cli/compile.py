@@ -50,6 +50,9 @@ Examples:
               help="Prompt tokens per sequence (prefill).")
 @click.option("--gen-len", default=128, show_default=True, type=int, metavar="TOKENS",
               help="Generated tokens per sequence; the KV cache is sized for prompt + gen tokens.")
+@click.option("--prefill-chunk", default=None, type=int, metavar="TOKENS",
+              help="Prompt tokens per sequence processed together in prefill (default: the planner tries "
+                   "512, 1024, ... up to the prompt and keeps the smallest that is as fast as any larger).")
 @click.option("--weight-dtype", default="auto", show_default=True, metavar="DTYPE",
               help=f"Weight storage dtype: auto (the checkpoint's dtype if everything fits in GPU + CPU "
                    f"memory, else q8_0, else q4_k_m) or one of {_DTYPES}.")
@@ -87,7 +90,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (path, predicted, memory, solver with solve_seconds, compile_seconds and compile_cpu_seconds, notes"
                    "[, compare]) to stdout and nothing else there.")
-def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, weight_dtype, kv_dtype,
+def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, prefill_chunk, weight_dtype, kv_dtype,
             gpu_mem, cpu_mem, time_limit_s, max_nodes, mip_gap, stream_cold_experts, routing, dump_lp, compare,
             as_json):
     """Plan MODEL on a machine and write the plan.
@@ -100,7 +103,10 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
         raise click.BadParameter("must be a positive number of nodes", param_hint="--max-nodes")
     if not 0 <= mip_gap < 1:
         raise click.BadParameter("must be a relative gap in [0, 1), e.g. 1e-4", param_hint="--mip-gap")
+    if prefill_chunk is not None and prefill_chunk <= 0:
+        raise click.BadParameter("must be a positive number of tokens", param_hint="--prefill-chunk")
     req = CompileRequest(model=model, hw=hw, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+                         prefill_chunk=prefill_chunk,
                          objective=objective, strategy=strategy, weight_dtype=weight_dtype,
                          kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
                          max_nodes=max_nodes, mip_gap=mip_gap, stream_cold_experts=stream_cold_experts,

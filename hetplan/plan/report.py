@@ -168,7 +168,9 @@ def header_lines(plan: Plan) -> list:
                else "staging: none (no block is streamed)")
     return [f"{m.name} ({m.arch}, {m.n_layers} layers, weights {m.weight_dtype}, KV {m.kv_dtype}) "
             f"on {hw.name} ({gpu}; CPU {hw.cpu.name})",
-            f"workload: batch {wl.batch}, prompt {wl.prompt_len}, generate {wl.gen_len}, objective {wl.objective}",
+            f"workload: batch {wl.batch}, prompt {wl.prompt_len}"
+            + (f" in {wl.n_chunks} chunks of {wl.chunk_len}" if wl.n_chunks > 1 else "")
+            + f", generate {wl.gen_len}, objective {wl.objective}",
             solver_line(plan), staging] + (
         [f"note: only the first of the node's {len(hw.gpus)} GPUs ({hw.gpus[0].name}) is planned; the others stay idle"]
         if len(hw.gpus) > 1 else [])

@@ -12,6 +12,7 @@ heads, hd head dim, G = H / KVH queries per key/value head, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 
@@ -108,8 +109,18 @@ class DenseBackend:
         emb = torch.cat((freqs, freqs), dim=-1)               # [T, hd]
         self._tables[device] = (emb.cos().to(device, self.dtype), emb.sin().to(device, self.dtype))
 
+    tokenwise = frozenset({"attn_in", "attn_out", "mlp"})
+    """Stages whose every position is computed from the same position of their inputs: in a
+    chunked prefill, run chunk by chunk on slices of the sequence axis (dim 1)."""
+
     def run(self, call: StageCall) -> dict[str, torch.Tensor]:
-        return getattr(self, f"_{call.kind}")(call)
+        fn = getattr(self, f"_{call.kind}")
+        if len(call.step.chunks()) > 1:
+            if call.kind == "attn_core":
+                return self._attn_core_chunked(call)
+            if call.kind in self.tokenwise:
+                return by_chunks(fn, call)
+        return fn(call)
 
     # -- stages ------------------------------------------------------------------------------
     def _embed(self, c: StageCall) -> dict:
@@ -155,6 +166,26 @@ class DenseBackend:
                 k, v = kv_cache.read(c.kv["k"], start + n, q.dtype), kv_cache.read(c.kv["v"], start + n, q.dtype)
         return {"o": attention(q, k, v, start, scale=1.0 if self.q_scale is not None else None)}
 
+    def _attn_core_chunked(self, c: StageCall) -> dict:
+        """Chunk i (positions s..s+n-1) writes its K/V to the cache and attends over the prefix
+        [0, s + n), causally offset by s; its output overwrites its own queries (no later chunk
+        reads them; q is read by this stage alone), so [B, S, H*hd] is filled in q's storage."""
+        q, k, v = c.inputs["q"], c.inputs["k"], c.inputs["v"]
+        start, (b, total, h, hd) = c.step.start, q.shape
+        scale = 1.0 if self.q_scale is not None else None
+        o = q.view(b, total, h * hd) if q.is_contiguous() else q.new_empty((b, total, h * hd))
+        for s, n in c.step.chunks():
+            e = s + n
+            if c.kv is not None:
+                kv_cache.write(c.kv["k"], start + s, k[:, s:e])
+                kv_cache.write(c.kv["v"], start + s, v[:, s:e])
+            if start:
+                kk, vv = kv_cache.read(c.kv["k"], start + e, q.dtype), kv_cache.read(c.kv["v"], start + e, q.dtype)
+            else:
+                kk, vv = k[:, :e], v[:, :e]
+            o[:, s:e] = attention(q[:, s:e], kk, vv, start + s, scale=scale)
+        return {"o": o}
+
     def _attn_out(self, c: StageCall) -> dict:
         w, o, x = c.weights, c.inputs["o"], c.inputs["x"]
         y = linear_t(o, w["o_t"]) if "o_t" in w else linear(o, w["o"])
@@ -188,6 +219,21 @@ class DenseBackend:
         if self.spec.norm == "rmsnorm":
             return _rms_norm(x, w["norm"], self.spec.norm_eps)
         return F.layer_norm(x, (x.shape[-1],), w["norm"], w["norm_bias"], self.spec.norm_eps)
+
+
+def by_chunks(fn, c: StageCall) -> dict:
+    """Run the token-wise stage ``fn`` once per chunk of ``c.step`` on its inputs' slices
+    [:, s:s+n] (sequence axis 1); each output is allocated once at full length and filled."""
+    out = {}
+    for s, n in c.step.chunks():
+        step = dataclasses.replace(c.step, start=c.step.start + s, new_tokens=n, chunk=0)
+        part = fn(dataclasses.replace(c, inputs={k: t[:, s:s + n] for k, t in c.inputs.items()}, step=step))
+        for k, t in part.items():
+            if k not in out:
+                out[k] = t.new_empty((t.shape[0], c.step.new_tokens) + tuple(t.shape[2:]))
+            out[k][:, s:s + n] = t
+        del part
+    return out
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

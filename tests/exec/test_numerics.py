@@ -95,13 +95,13 @@ def family_model(request, tmp_path_factory):
     return request.param, str(directory), ids, reference(model, ids)
 
 
-def cpu_kv_plan(model_dir: str, node: str):
+def cpu_kv_plan(model_dir: str, node: str, prompt_len: int = PROMPT_LEN, prefill_chunk: int | None = None):
     """A hand-made decision exercising what strategies rarely combine: attention resident on the
     GPU with its KV cache in DRAM (decode attention on the CPU; prefill KV copied down), a block
     streamed in prefill but computed on the CPU in decode, a streamed block with CPU-side KV,
     and a two-slot staging ring."""
     spec = load_model(model_dir, "fp32")
-    problem = build_problem(spec, load_node(node), Workload(1, PROMPT_LEN, GEN_LEN))
+    problem = build_problem(spec, load_node(node), Workload(1, prompt_len, GEN_LEN, prefill_chunk=prefill_chunk))
     weights = {"embed": "cpu", "attn_0": "gpu", "mlp_0": "stream", "attn_1": "stream", "mlp_1": "cpu",
                "head": "stream"}
     exec_ = {"prefill": dict(weights), "decode": dict(weights, mlp_0="cpu")}

@@ -160,6 +160,33 @@ class MoeBackend(DenseBackend):
             with self._record_lock:
                 self.recorder.record(l, ids)
 
+    @property
+    def tokenwise(self) -> frozenset:
+        """Chunked stages: the MoE layer too; MLA's projections keep their head-major layout and
+        run on the whole prompt (only its attention core is chunked)."""
+        base = DenseBackend.tokenwise | {"moe"}
+        return base - {"attn_in", "attn_out"} if self.spec.is_mla else base
+
+    def _attn_core_chunked(self, c: StageCall) -> dict:
+        if not self.spec.is_mla:
+            return super()._attn_core_chunked(c)
+        q_lat, q_rope = c.inputs["q_lat"], c.inputs["q_rope"]               # [B, H, S, r], [B, H, S, rope]
+        latent, k_rope = c.inputs["latent"], c.inputs["k_rope"]             # [B, S, r], [B, S, rope]
+        start = c.step.start
+        o = q_lat.new_empty(q_lat.shape)
+        for s, n in c.step.chunks():
+            e = s + n
+            if c.kv is not None:
+                kv_cache.write(c.kv["latent"], start + s, latent[:, s:e])
+                kv_cache.write(c.kv["k_rope"], start + s, k_rope[:, s:e])
+            if start:
+                lat = kv_cache.read(c.kv["latent"], start + e, q_lat.dtype)
+                kr = kv_cache.read(c.kv["k_rope"], start + e, q_lat.dtype)
+            else:
+                lat, kr = latent[:, :e], k_rope[:, :e]
+            o[:, :, s:e] = latent_attention(q_lat[:, :, s:e], q_rope[:, :, s:e], lat, kr, self.spec, start + s)
+        return {"o_lat": o}
+
     def _attn_in(self, c: StageCall) -> dict:
         if not self.spec.is_mla:
             return super()._attn_in(c)
