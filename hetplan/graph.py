@@ -194,14 +194,16 @@ def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float
 
 
 def dequant_buffer_elems(spec: ModelSpec) -> int:
-    """Elements of the buffer a quantised block is dequantised into before it computes, on each
-    device (0 for unquantised weights): the widest block's weights, counting the routed experts
-    of an MoE layer as one expert (the runtime dequantises them one at a time into one expert's
-    room). Norms and biases are counted too, which errs on the safe side."""
+    """Elements of the buffer a quantised block's linears are dequantised into, on each device
+    (0 for unquantised weights). Linears are multiplied from their packed bytes
+    (``hetplan.runtime.kernels``), so only a linear a stage needs as a matrix has room here: MLA's
+    absorbed ``kv_b`` (heads * (qk_nope + v_head) * kv_lora_rank elements). Prefill GEMMs also
+    dequantise tiles of ``DEQUANT_TILE_ELEMS`` weights into cache, counted here too."""
     if spec.weight_dtype not in QUANTISED:
         return 0
-    widest = [spec.attn_params(), spec.head_params()]
-    for l in range(spec.n_layers):
-        widest.append(spec.moe_shared_params() + spec.expert_params() if spec.is_moe_layer(l)
-                      else spec.dense_mlp_params())
-    return max(widest)
+    kv_b = spec.n_heads * (spec.qk_nope_head_dim + spec.v_head_dim) * spec.kv_lora_rank if spec.is_mla else 0
+    return kv_b + DEQUANT_TILE_ELEMS
+
+
+DEQUANT_TILE_ELEMS = 1 << 20
+"""Weights one prefill GEMM tile dequantises at a time (``hetplan.runtime.kernels.linear.TILE_ELEMS``)."""

@@ -222,7 +222,7 @@ class Residency:
                             + (cold if any(p["exec"][ph] == cold_on for ph in PHASES) else []))
             count = max((packed_layout(self.fmt, specs, dtype, self.expert_of).buffer_numel for specs in used),
                         default=0)
-            if count:
+            if any(used):  # a tier that computes with quantised blocks has a buffer, empty if none needs room
                 charged = count * DEQUANT_BYTES["gpu"] if tier == "gpu" and not self.devices.cuda else None
                 self.buffers[tier] = self.devices.empty(tier, (count,), dtype, f"{tier} dequantisation buffer",
                                                         charged_bytes=charged)

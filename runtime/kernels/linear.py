@@ -27,13 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hetplan.graph import DEQUANT_TILE_ELEMS
 from hetplan.runtime.kernels import native, quant
 
 FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "int8": 2, "int4": 3, "q4_k_m": 4, torch.bfloat16: 5, torch.float16: 6}
 """The native kernel's format numbers (``qmatmul.cpp``'s ``Fmt``)."""
 SMALL_M = 8
 """Rows of x up to which the native kernel multiplies directly (its ``SMALL_M``)."""
-TILE_ELEMS = 1 << 20
+TILE_ELEMS = DEQUANT_TILE_ELEMS  # the planner prices this tile (hetplan.graph)
 """Weights dequantised at a time by the torch path."""
 
 

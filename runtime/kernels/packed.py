@@ -10,11 +10,8 @@ A stage's weights are ``PackedView.materialise()``: a mapping that hands each li
 stage packed (``kernels.linear.PackedLinear``, views of the bytes made once per block: the
 kernels multiply with them, nothing is dequantised whole) and views the other tensors in place.
 The dequantisation buffer is where a stage that needs a linear's matrix itself (MLA's absorbed
-``kv_b``) dequantises it (``PackedLinear.dense()``); in it the block's linears lie back to back
-in block order (fused groups stay adjacent), except the routed experts of an MoE block
-(``experts.{e}.*``, as the backend's ``expert_of`` tells), which share one expert-sized region
-after the others: a buffer needs a block's other linears plus one expert, what the planner
-reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts are
+``kv_b``, ``MATRIX_LINEARS``) dequantises it (``PackedLinear.dense()``); it holds only those
+linears, what the planner reserves (``hetplan.graph.dequant_buffer_elems``). A split block whose cold experts are
 streamed computes with two packed parts (``PackedParts``: its resident bytes and its cold
 experts' bytes in a staging slot); the cold part's experts are laid in the resident part's
 expert region (``sharing_experts``).
@@ -60,8 +57,17 @@ class PackedLayout:
 
     @property
     def buffer_numel(self) -> int:
-        """Elements of the dequantisation buffer the block needs: its other linears plus one expert."""
+        """Elements of the dequantisation buffer the block needs: its ``MATRIX_LINEARS``."""
         return max((off + numel(shape) for _, off, shape in self.dense), default=0)
+
+
+MATRIX_LINEARS = ("kv_b",)
+"""Linears some stage needs as a matrix rather than multiplied from their bytes: MLA's absorbed
+``kv_b`` (split per head into W_UK and W_UV). Only these get room in the dequantisation buffer."""
+
+
+def needs_matrix(local: str) -> bool:
+    return local.split(".")[0] in MATRIX_LINEARS
 
 
 def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None) -> PackedLayout:
@@ -81,17 +87,10 @@ def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None) -> Packed
         count += numel(t.shape)
     raw_dtype = torch.float16 if others and all(t.local in quant.EMBEDDINGS for t in others) else dtype
     dense, end = [], 0
-    for t in linears:                       # other linears back to back ...
-        if expert_of(t.local) is None:
+    for t in linears:                       # only the linears a stage needs as a matrix
+        if expert_of(t.local) is None and needs_matrix(t.local):
             dense.append((t.local, end, tuple(t.shape)))
             end += numel(t.shape)
-    region = {}                             # ... then every expert from the same offset
-    for t in linears:
-        e = expert_of(t.local)
-        if e is not None:
-            at = region.get(e, end)
-            dense.append((t.local, at, tuple(t.shape)))
-            region[e] = at + numel(t.shape)
     experts = frozenset(t.local for t in linears if expert_of(t.local) is not None)
     return PackedLayout(tuple(packed), offset, raw_dtype, tuple(raw), tuple(dense), experts)
 
@@ -115,8 +114,13 @@ class PackedView:
                  fused: dict):
         self.fmt, self.flat, self.layout = fmt, flat, layout
         self.packed = {local: (off, shape, n) for local, off, shape, n in layout.packed}
-        self.dense = views(buffer, layout.dense, fused) if buffer is not None else {}
-        self.parts = {name: fused.get(name, (name,)) for name in self.dense}
+        # a buffer smaller than the layout needs belongs to a tier that never computes with these
+        # bytes (a streamed block's host copy): no dense views there
+        fits = buffer is not None and buffer.numel() >= layout.buffer_numel
+        self.dense = views(buffer, layout.dense, fused) if fits else {}
+        names = [local for local, _, _, _ in layout.packed]
+        self.parts = {name: (name,) for name in names} | {
+            name: parts for name, parts in fused.items() if all(p in self.packed for p in parts)}
         self.raw = views(flat[layout.raw_offset:layout.nbytes].view(layout.raw_dtype), layout.raw, fused)
         self.linears = packed_linears(self) if buffer is not None else {}
 
@@ -172,7 +176,7 @@ def packed_linears(v: PackedView) -> dict:
             off, shape, n = v.packed[local]
             segments.append(quant.split(v.fmt, v.flat[off:off + n], quant.stored_shape(local, shape)))
         cols = quant.stored_shape(parts[0], v.packed[parts[0]][1])[1]
-        target = None if name.endswith("_t") or name in v.layout.experts else v.dense[name]
+        target = None if name.endswith("_t") or name in v.layout.experts else v.dense.get(name)
         out[name] = PackedLinear(v.fmt, cols, tuple(segments), target)
     return out
 

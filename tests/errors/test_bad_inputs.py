@@ -115,7 +115,7 @@ CASES = [
     ("output-missing-dir", ["compile", "config.json", "--hw", "node.yaml", "-o", "no/such/dir/p.json"], {}, "does not exist"),
     ("output-is-dir", ["compile", "config.json", "--hw", "node.yaml", "-o", "sub"], {"sub/keep.txt": "x"}, "directory"),
     ("output-is-fifo", ["compile", "config.json", "--hw", "node.yaml", "-o", "pipe"], {"pipe": "FIFO"}, "FIFO"),
-    ("nothing-fits", COMPILE + ["--gpu-mem", "1MiB", "--cpu-mem", "1MiB"], {}, "no placement fits"),
+    ("nothing-fits", COMPILE + ["--gpu-mem", "16KiB", "--cpu-mem", "16KiB"], {}, "no placement fits"),
     ("routing-missing", COMPILE_MOE + ["--routing", "no.json"], {}, "no.json"),
     ("routing-malformed", COMPILE_MOE + ["--routing", "r.json"], {"r.json": "{"}, "malformed JSON"),
     ("routing-wrong-model", COMPILE_MOE + ["--routing", "r.json"],

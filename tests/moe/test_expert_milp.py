@@ -187,7 +187,7 @@ def test_a_long_prompt_streams_cold_experts_in_prefill_and_keeps_them_on_the_cpu
     running the cold experts on the CPU in prefill too is worse."""
     spec = dataclasses.replace(SPEC, n_layers=4, n_experts=8)
     wl = Workload(batch=4, prompt_len=1024, gen_len=32)
-    problem = build_problem(spec, tiny_node(600 / 1024, 64), wl)
+    problem = build_problem(spec, tiny_node(560 / 1024, 64), wl)
     dec, info, _ = decide(problem, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny", stream_cold_experts=True))
     plan = make_plan(problem, dec, info)
     check_plan(plan)
