@@ -52,8 +52,18 @@ MemBandwidth = _unit("a bandwidth", 1e6, 20 * _TB, "no memory is faster than abo
 LinkBandwidth = _unit("a bandwidth", 1e6, 2 * _TB, "no CPU-GPU link is faster than about 900 GB/s "
                       "(NVLink-C2C); PCIe 5.0 x16 is 64 GB/s")
 FlopRate = _unit("a FLOP rate", 1e6, 1e17, "no device computes more than about 20 PFLOPS dense")
-Fraction = Annotated[float, Field(gt=0, le=1, json_schema_extra={"range": "(0, 1]"})]
-TaskSeconds = Annotated[float, Field(ge=0, le=1, json_schema_extra={"range": "0 .. 1 s"})]
+def _yaml11_float(v):
+    """YAML 1.1 (PyYAML) reads ``5e-6`` (an exponent without a dot) as a string: take it as the
+    number it is written as. Anything else that is not a number is left for the type check."""
+    if isinstance(v, str) and _FLOAT.fullmatch(v.strip()):
+        return float(v)
+    return v
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+Fraction = Annotated[float, BeforeValidator(_yaml11_float), Field(gt=0, le=1, json_schema_extra={"range": "(0, 1]"})]
+TaskSeconds = Annotated[float, BeforeValidator(_yaml11_float),
+                        Field(ge=0, le=1, json_schema_extra={"range": "0 .. 1 s"})]
 
 
 class _Strict(BaseModel):

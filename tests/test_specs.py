@@ -124,6 +124,14 @@ def test_node_yaml_units_become_si_numbers(tmp_path):
     assert hw.efficiency["link"] == 0.8 and hw.efficiency["gpu_mem"] == 0.85  # default kept
 
 
+
+def test_exponent_without_a_dot_is_a_number(tmp_path):
+    """YAML 1.1 reads ``5e-6`` as a string; node.yaml takes it as the number a user wrote."""
+    hw = load_node(_node(tmp_path, NODE + "latency: {gpu_task: 5e-6, cpu_task: 2E-5}\n"))
+    assert hw.latency_s["gpu_task"] == 5e-6 and hw.latency_s["cpu_task"] == 2e-5
+    with pytest.raises(HetplanError, match="gpu_task"):
+        load_node(_node(tmp_path, NODE + "latency: {gpu_task: 5e-6s}\n", "bad.yaml"))
+
 def test_node_without_gpus_is_cpu_only(tmp_path):
     text = "name: cpu-box\ncpu: {memory: 32GB, mem_bandwidth: 50GB/s, flops: {fp32: 1TFLOPS}}\n"
     hw = load_node(_node(tmp_path, text))
