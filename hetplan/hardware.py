@@ -15,8 +15,8 @@ import yaml
 from hetplan.errors import HetplanError
 from pydantic import ValidationError
 
-from hetplan.node_schema import Efficiency, Latency, Node
-from hetplan.schema_errors import schema_error
+from hetplan.schema.node import Efficiency, Latency, Node
+from hetplan.schema.errors import schema_error
 
 DEFAULT_EFFICIENCY = Efficiency().model_dump()
 DEFAULT_LATENCY_S = Latency().model_dump()
@@ -94,7 +94,7 @@ class HardwareSpec:
 # -- node.yaml ---------------------------------------------------------------------------------
 
 def parse_node(raw, source: str = "node.yaml", text: str | None = None) -> HardwareSpec:
-    """Validate a node.yaml mapping against ``node_schema.Node`` and convert it to a HardwareSpec;
+    """Validate a node.yaml mapping against ``hetplan.schema.node.Node`` and convert it to a HardwareSpec;
     ``text`` (the file's YAML) gives errors their line numbers."""
     if not isinstance(raw, dict):
         raise HetplanError(f"{source}: expected a mapping of keys (name, gpus, cpu, links, ...) at the "

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from hetplan.node_schema import node_keys_table
+from hetplan.schema.node import node_keys_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -15,7 +15,7 @@ def test_readme_node_key_table_is_generated_from_the_schema():
 
 
 def test_every_schema_key_appears_in_the_table():
-    from hetplan.node_schema import SECTIONS
+    from hetplan.schema.node import SECTIONS
     table = node_keys_table()
     for prefix, model in SECTIONS:
         for name in model.model_fields:

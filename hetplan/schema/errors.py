@@ -45,7 +45,7 @@ def yaml_line(text: str, loc: tuple) -> int | None:
 
 
 def _model_at(root: type, loc: tuple) -> type | None:
-    from hetplan.node_schema import submodel
+    from hetplan.schema.node import submodel
 
     model = root
     for part in loc:
@@ -78,7 +78,7 @@ def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: s
         accepted = sorted(parent.model_fields) if parent else []
         return HetplanError(f"{where}: unknown keys {siblings}{inside}; accepted: {accepted}{fix}")
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        from hetplan.node_schema import range_of
+        from hetplan.schema.node import range_of
 
         parent = _model_at(root, loc[:-1])
         field = parent.model_fields.get(loc[-1]) if parent and loc and isinstance(loc[-1], str) else None
