@@ -78,3 +78,20 @@ def test_every_pure_module_imports_first_in_a_fresh_interpreter():
         if res.returncode:
             failed[name] = res.stderr.strip().splitlines()[-1]
     assert failed == {}
+
+
+def test_layout_keeps_concerns_in_folders():
+    """The layout rules: ``hetplan/`` holds at most 25 modules directly, and no source folder
+    holds three or more modules sharing a name prefix (a concern with several files gets a
+    folder); pytest's ``test_`` is a convention, not a prefix, so tests count by the word after it."""
+    assert len(list((REPO / "hetplan").glob("*.py"))) <= 25
+    crowded = {}
+    for root in ("hetplan", "solvers", "runtime", "tests", "bench"):
+        for folder in [REPO / root, *(p for p in (REPO / root).rglob("*") if p.is_dir())]:
+            prefixes = {}
+            for f in folder.glob("*.py"):
+                words = f.stem.removeprefix("test_").split("_")
+                if len(words) > 1:
+                    prefixes.setdefault(words[0], []).append(f.name)
+            crowded.update({f"{folder.relative_to(REPO)}/{p}_*": n for p, n in prefixes.items() if len(n) >= 3})
+    assert crowded == {}
