@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetplan.compiler import CompileRequest, decide
+from hetplan.compiler import COUNTED, CompileRequest, decide
 from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Plan
 from hetplan.problem import Problem, build_problem
 
 BASELINE_ORDER = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "stream")
 """Baselines listed by ``--compare``; ``ngl`` and ``ngl-nkvo`` are shown at their best layer count."""
-COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
-"""Baselines shown at their best layer count (``best_count``)."""
 MOE_BASELINE_ORDER = ("cpu-moe", "n-cpu-moe")
 """Listed besides for MoE models; ``n-cpu-moe`` at its best layer count."""
 
