@@ -45,7 +45,7 @@ CLASSES = ("consumer_gpu", "datacenter_gpu", "desktop_cpu", "server_cpu")
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4", "q8_0", "q4_k_m", "q4_0")
 METRICS = {"decode_tokens_per_s": "tokens/s", "prefill_tokens_per_s": "tokens/s",
            "throughput_tokens_per_s": "tokens/s", "tpot_s": "s", "ttft_s": "s"}
-STRATEGY = re.compile(r"^(all-gpu|greedy|stream|cpu-moe|ilp|ngl(:\d+)?|n-cpu-moe(:\d+)?)$")
+STRATEGY = re.compile(r"^(all-gpu|greedy|stream|cpu-moe|ktransformers|ilp|ngl(:\d+)?|ngl-nkvo(:\d+)?|n-cpu-moe(:\d+)?)$")
 UNITS = {"memory": re.compile(r"^\d+(\.\d+)?\s*[KMGT]i?B$"),
          "bandwidth": re.compile(r"^\d+(\.\d+)?\s*[KMGT]i?B/s$"),
          "flops": re.compile(r"^\d+(\.\d+)?\s*[GTP]FLOPS$")}
@@ -53,8 +53,8 @@ CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_
                "max_position_embeddings", "torch_dtype")
 # Stand-in for a CPU (and PCIe link) a source does not publish: only all-gpu points may use it, and
 # an all-gpu plan neither computes on the CPU nor copies weights over the link.
-PLACEHOLDER_CPU = {"name": "placeholder (not published; unused by all-gpu)", "cores": 16, "memory": "64GiB",
-                   "mem_bandwidth": "50GB/s", "flops": {"fp32": "1TFLOPS"}}
+PLACEHOLDER_CPU = {"name": "placeholder (not published; unused by all-gpu)", "class": "desktop", "cores": 16,
+                   "memory": "64GiB", "mem_bandwidth": "50GB/s", "flops": {"fp32": "1TFLOPS"}}
 PLACEHOLDER_LINKS = {"h2d": "25GB/s", "d2h": "25GB/s"}
 
 
@@ -136,6 +136,15 @@ def check_device(d, where: str, cpu: bool) -> None:
         need(d, "flops_basis", where)
 
 
+def latency_bound(p: dict, part: dict) -> bool:
+    """An unpublished CPU or link whose rates do not matter: llama-bench ``-nkvo`` ``tg N`` from
+    an empty context (attention over at most N cached tokens on the CPU, copies of a few KB per
+    layer), marked ``latency_bound`` and explained in the point's ``cpu_note``. The placeholder
+    stands in; the fixed per-task costs, which are what the point measures, are the model's own."""
+    return (part.get("latency_bound") is True and bool(p.get("cpu_note")) and p["strategy"].startswith("ngl-nkvo")
+            and p["workload"]["prompt_len"] == 1 and p["workload"]["gen_len"] <= 128)
+
+
 def validate(p: dict) -> None:
     need(p, "id", "")
     if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", p["id"]):
@@ -173,8 +182,9 @@ def validate(p: dict) -> None:
         if not isinstance(d, dict):
             raise Invalid(f"'hardware.{part}' must be an object")
         if d.get("published") is False:
-            if not (gpu and strategy == "all-gpu"):
-                raise Invalid(f"'hardware.{part}' is unpublished: only an all-gpu point on a GPU may leave it out")
+            if not (gpu and (strategy == "all-gpu" or latency_bound(p, d))):
+                raise Invalid(f"'hardware.{part}' is unpublished: only an all-gpu point on a GPU may leave it out "
+                              "(or an ngl-nkvo decode from an empty context, 'latency_bound': true, with a 'cpu_note')")
             need(d, "note", f"hardware.{part}.")
         elif part == "cpu":
             check_device(d, "hardware.cpu.", cpu=True)
@@ -183,6 +193,9 @@ def validate(p: dict) -> None:
                 unit(d, k, "bandwidth", "hardware.links.")
             for k in ("pcie", "basis"):
                 need(d, k, "hardware.links.")
+    if hw.get("reserve") is not None:
+        unit(hw["reserve"], "gpu", "memory", "hardware.reserve.")
+        need(hw["reserve"], "basis", "hardware.reserve.")
     wl = need(p, "workload", "")
     for k in ("batch", "prompt_len", "gen_len"):
         if not isinstance(wl.get(k), int) or wl[k] < 1:
@@ -203,17 +216,25 @@ def node(p: dict, overrides: dict) -> dict:
     hw, out = p["hardware"], {"name": p.get("hardware_id", p["id"])}
     pick = ("name", "cores", "memory", "mem_bandwidth", "flops")
     if hw.get("gpu"):
-        out["gpus"] = [{k: hw["gpu"][k] for k in pick if k in hw["gpu"]}]
+        out["gpus"] = [{k: hw["gpu"][k] for k in pick if k in hw["gpu"]} | {"class": node_class(hw["gpu"])}]
     cpu = hw["cpu"]
-    out["cpu"] = PLACEHOLDER_CPU if cpu.get("published") is False else {k: cpu[k] for k in pick}
+    out["cpu"] = PLACEHOLDER_CPU if cpu.get("published") is False else \
+        {k: cpu[k] for k in pick} | {"class": node_class(cpu)}
     if hw.get("gpu"):
         links = hw["links"]
         out["links"] = PLACEHOLDER_LINKS if links.get("published") is False else \
             {"h2d": links["h2d"], "d2h": links.get("d2h", links["h2d"])}
+    if hw.get("reserve"):
+        out["reserve"] = {"gpu": hw["reserve"]["gpu"]}
     for key, names in (("efficiency", EFFICIENCY_KEYS), ("latency", LATENCY_KEYS)):
         if any(k in overrides for k in names):
             out[key] = {k: v for k, v in overrides.items() if k in names}
     return out
+
+
+def node_class(device: dict) -> str:
+    """A point's device class (``consumer_gpu``) as node.yaml's ``class`` key spells it (``consumer``)."""
+    return device["class"].rsplit("_", 1)[0]
 
 
 def compile_cmd(p: dict, work: Path, overrides: dict) -> list[str]:
@@ -374,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="A constant for every node.yaml.")
     ap.add_argument("--fit", action="append", default=[], metavar="NAME=V1,V2,...", help="Grid-fit this constant.")
     ap.add_argument("--fit-class", action="append", default=[], choices=CLASSES, help="Fit on this class only.")
+    ap.add_argument("--fit-classes", action="store_true",
+                    help="Fit every per-device-class constant of hetplan.presets.device_classes "
+                         "(bench/published_fit.py), with leave-one-out errors.")
     ap.add_argument("--json", type=Path, help="Also write rows (and the fit) as JSON here.")
     ap.add_argument("--keep", type=Path, help="Keep each point's node.yaml, config.json and plan.json here.")
     ap.add_argument("-v", "--verbose", action="store_true", help="Print each hetplan command line.")
@@ -399,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"constants": overrides, "rows": [{k: v for k, v in r.items() if k != "point"} | {
         **{k: r["point"][k] for k in ("value", "unit", "metric", "device_class", "strategy", "setting", "source")}}
         for r in rows]}
+    if args.fit_classes:
+        from published_fit import Fitter, report
+        fit = Fitter([r["point"] for r in rows], runner).fit(
+            log=lambda line: print(line, file=sys.stderr, flush=True) if args.verbose else None)
+        result["fit_classes"] = fit
+        print("\n" + report(fit))
     if args.fit:
         grids = parse_constants(args.fit, "--fit")
         sel = [p for p in points if not args.fit_class or p["device_class"] in args.fit_class]

@@ -27,7 +27,7 @@ from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
 from hetplan.workload import Workload, chunk_candidates
 
-STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe")
+STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe", "ktransformers")
 COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
 """Strategies that take a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``)."""
 AUTO_DTYPES = ("q8_0", "q4_k_m")
@@ -82,7 +82,7 @@ def parse_strategy(text: str) -> tuple[str, int | None]:
     name, _, arg = text.partition(":")
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
-                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N]")
+                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N], ktransformers")
     if arg and name not in COUNTED:
         raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo and n-cpu-moe take an argument (ngl:N, ngl-nkvo:N, n-cpu-moe:N)")
     if arg:

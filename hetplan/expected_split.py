@@ -91,53 +91,64 @@ def _roofline(r, flops, nbytes):
     return np.maximum(flops / r.flops_per_s, nbytes / r.bytes_per_s) + r.latency_s
 
 
-def split_expectation(x, index_bytes: float) -> SplitExpectation:
-    """The expected split times of ``x`` (a ``hetplan.experts.ExpertLayer``) for every n."""
-    t, e = x.tokens, x.n_experts
-    f = np.minimum(np.asarray(x.fraction, dtype=float), 1.0)
-    p = 1.0 - (1.0 - f) ** t
-    prefix, suffix = hit_distributions(p)
+class SplitTable:
+    """E[M(n)] and its parts for the n asked for, computed on first use: a baseline reads one or
+    two hot counts of a layer, the MILPs all of them (``split_expectation``)."""
 
-    def first(v):  # sums over the n hottest experts, n = 0 .. E
-        return np.concatenate(([0.0], np.cumsum(v)))
+    def __init__(self, x, index_bytes: float):
+        self.x, self.index_bytes, self.memo = x, index_bytes, {}
+        t, f = x.tokens, np.minimum(np.asarray(x.fraction, dtype=float), 1.0)
+        p = 1.0 - (1.0 - f) ** t
+        self.prefix, self.suffix = hit_distributions(p)
 
-    pairs, hits = first(t * f), first(p)                  # E[N], E[K] of the hot side
-    var_c, var_h, cov = first(t * f * (1.0 - f)), first(p * (1.0 - p)), first(t * f * (1.0 - p))
-    w, pf, r = x.expert_read_bytes, x.pair_flops, x.row_bytes
-    g, c, dn, up = x.gpu, x.cpu, x.d2h, x.h2d
-    lip_h = max(pf / g.flops_per_s, 2 * r / g.bytes_per_s)
-    lip_c = (r + index_bytes) / dn.bytes_per_s + max(pf / c.flops_per_s, 2 * r / c.bytes_per_s) + r / up.bytes_per_s
+        def first(v):  # sums over the n hottest experts, n = 0 .. E
+            return np.concatenate(([0.0], np.cumsum(v)))
 
-    def side(lo, hi):
+        self.pairs, self.hits = first(t * f), first(p)            # E[N], E[K] of the hot side
+        self.var_c, self.var_h, self.cov = first(t * f * (1.0 - f)), first(p * (1.0 - p)), first(t * f * (1.0 - p))
+        g, c, dn, up, pf, r = x.gpu, x.cpu, x.d2h, x.h2d, x.pair_flops, x.row_bytes
+        self.lip_h = max(pf / g.flops_per_s, 2 * r / g.bytes_per_s)
+        self.lip_c = (r + index_bytes) / dn.bytes_per_s + max(pf / c.flops_per_s, 2 * r / c.bytes_per_s) + r / up.bytes_per_s
+        self.route = x.route_s()
+
+    def side(self, lo: int, hi: int) -> tuple:
         """(pairs per hit c, bound factor s) of the experts ranked lo .. hi-1."""
-        n_mean, k_mean = pairs[hi] - pairs[lo], hits[hi] - hits[lo]
+        n_mean, k_mean = self.pairs[hi] - self.pairs[lo], self.hits[hi] - self.hits[lo]
         per = n_mean / k_mean if k_mean > 0 else 0.0
-        s2 = (var_c[hi] - var_c[lo]) + per * per * (var_h[hi] - var_h[lo]) - 2 * per * (cov[hi] - cov[lo])
-        return per, (0.0 if t == 1 else max(s2, 0.0) ** 0.5)
+        s2 = (self.var_c[hi] - self.var_c[lo]) + per * per * (self.var_h[hi] - self.var_h[lo]) \
+            - 2 * per * (self.cov[hi] - self.cov[lo])
+        return per, (0.0 if self.x.tokens == 1 else max(s2, 0.0) ** 0.5)
 
-    route = x.route_s()
-    hot, cold, wait, split, bound = [], [], [], [], []
-    for n in range(e + 1):
+    def at(self, n: int) -> tuple:
+        """(hot, cold, wait, split, bound) seconds at n hot experts."""
+        if n not in self.memo:
+            self.memo[n] = self._at(n)
+        return self.memo[n]
+
+    def _at(self, n: int) -> tuple:
+        x, e = self.x, self.x.n_experts
+        w, pf, r, ib = x.expert_read_bytes, x.pair_flops, x.row_bytes, self.index_bytes
+        g, c, dn, up = x.gpu, x.cpu, x.d2h, x.h2d
         kh = np.arange(n + 1, dtype=float)
-        per_h, s_h = side(0, n)
+        per_h, s_h = self.side(0, n)
         nh = per_h * kh
         h_vals = _roofline(g, x.shared_flops + pf * nh, x.shared_bytes + w * kh + 2 * r * nh)
-        e_hot = float(np.dot(prefix[n], h_vals))
-        hot.append(e_hot)
+        e_hot = float(np.dot(self.prefix[n], h_vals))
         if n == e:
-            cold.append(0.0), wait.append(0.0), bound.append(lip_h * s_h)
-            split.append(route + e_hot)
-            continue
+            return e_hot, 0.0, 0.0, self.route + e_hot, self.lip_h * s_h
         kc = np.arange(e - n + 1, dtype=float)
-        per_c, s_c = side(n, e)
+        per_c, s_c = self.side(n, e)
         nc = per_c * kc
-        copies = (dn.latency_s + nc * (r + index_bytes) / dn.bytes_per_s) + (up.latency_s + nc * r / up.bytes_per_s)
+        copies = (dn.latency_s + nc * (r + ib) / dn.bytes_per_s) + (up.latency_s + nc * r / up.bytes_per_s)
         cpu_vals = _roofline(c, pf * nc, w * kc + 2 * r * nc)
         c_vals = copies + cpu_vals
-        e_cold, e_side = float(np.dot(suffix[n], cpu_vals)), float(np.dot(suffix[n], c_vals))
-        both = expected_max(h_vals, prefix[n], c_vals, suffix[n])
-        cold.append(e_cold)
-        wait.append(max(0.0, both - max(e_hot, e_side)))
-        split.append(route + both + x.merge_s(n))
-        bound.append(lip_h * s_h + lip_c * s_c)
-    return SplitExpectation(tuple(hot), tuple(cold), tuple(wait), tuple(split), tuple(bound))
+        e_cold, e_side = float(np.dot(self.suffix[n], cpu_vals)), float(np.dot(self.suffix[n], c_vals))
+        both = expected_max(h_vals, self.prefix[n], c_vals, self.suffix[n])
+        return (e_hot, e_cold, max(0.0, both - max(e_hot, e_side)), self.route + both + x.merge_s(n),
+                self.lip_h * s_h + self.lip_c * s_c)
+
+
+def split_expectation(x, index_bytes: float) -> SplitExpectation:
+    """The expected split times of ``x`` (a ``hetplan.experts.ExpertLayer``) for every n."""
+    table = SplitTable(x, index_bytes)
+    return SplitExpectation(*(tuple(col) for col in zip(*(table.at(n) for n in range(x.n_experts + 1)))))

@@ -48,7 +48,7 @@ from itertools import accumulate
 
 from hetplan import cost
 from hetplan.dtypes import compute_dtype
-from hetplan.expected_split import SplitExpectation, split_expectation
+from hetplan.expected_split import SplitExpectation, SplitTable
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 
@@ -144,22 +144,28 @@ class ExpertLayer:
         return self.gpu.seconds(*self.route_work())
 
     @cached_property
+    def table(self) -> SplitTable:
+        """Expected task and block times over the routing distribution, per hot count, computed
+        as asked (``hetplan.expected_split``)."""
+        return SplitTable(self, INDEX_BYTES)
+
+    @cached_property
     def expected(self) -> SplitExpectation:
-        """Expected task and block times over the routing distribution (``hetplan.expected_split``)."""
-        return split_expectation(self, INDEX_BYTES)
+        """The whole table, every hot count."""
+        return SplitExpectation(*(tuple(col) for col in zip(*(self.table.at(n) for n in range(self.n_experts + 1)))))
 
     def hot_s(self, n: int) -> float:
         """E[GPU side]: the roofline of the hot experts the tokens hit, in expectation."""
-        return self.expected.hot_s[n]
+        return self.table.at(n)[0]
 
     def cold_s(self, n: int) -> float:
         """E[CPU compute] of the cold experts the tokens hit."""
-        return self.expected.cold_s[n]
+        return self.table.at(n)[1]
 
     def wait_s(self, n: int) -> float:
         """E[max(GPU side, CPU side)] - max of their expectations: the merge waits that much
         longer on average than the expected sides say (``hetplan.expected_split``)."""
-        return self.expected.wait_s[n]
+        return self.table.at(n)[2]
 
     def down_s(self, n: int) -> float:
         return self.d2h.seconds(0.0, self.down_bytes(n))
@@ -173,7 +179,7 @@ class ExpertLayer:
     def split_s(self, n: int) -> float:
         """The block's expected duration with n hot experts: route, then E[max(GPU part, CPU
         part and its copies)], then the merge (none when n = E)."""
-        return self.expected.split_s[min(n, self.n_experts)]
+        return self.table.at(min(n, self.n_experts))[3]
 
     @property
     def split_times(self) -> tuple:

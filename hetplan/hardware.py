@@ -15,12 +15,14 @@ import yaml
 from hetplan.errors import HetplanError
 from pydantic import ValidationError
 
-from hetplan.schema.node import Efficiency, Latency, Node
+from hetplan.presets.device_classes import class_defaults
+from hetplan.schema.node import Node
 from hetplan.schema.errors import schema_error
 
-DEFAULT_EFFICIENCY = Efficiency().model_dump()
-DEFAULT_LATENCY_S = Latency().model_dump()
-"""Fixed cost of one task on each kind of resource (kernel launches, dispatch, DMA setup)."""
+DEFAULT_EFFICIENCY, DEFAULT_LATENCY_S = class_defaults()
+"""The constants of a consumer GPU on a desktop CPU (``hetplan.presets.device_classes``): achieved
+fractions of each peak, and the fixed cost of one task on each kind of resource (kernel
+launches, dispatch, DMA setup and the synchronisation around a copy)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class DeviceSpec:
     flops_per_s: dict
     """Peak FLOP/s by compute dtype (``fp32``, ``fp16``, ``bf16``)."""
     cores: int = 0
+    device_class: str = ""
+    """consumer / datacenter (GPU), desktop / server (CPU): where the default constants came from."""
 
     def peak_flops(self, dtype: str) -> float:
         """Peak for ``dtype``; bf16 falls back to fp16 and vice versa, then to fp32, then to the
@@ -107,16 +111,20 @@ def parse_node(raw, source: str = "node.yaml", text: str | None = None) -> Hardw
     def device(d) -> DeviceSpec:
         flops = {k: v for k, v in d.flops.model_dump().items() if v is not None}
         return DeviceSpec(name=d.name, memory_bytes=int(round(d.memory)), mem_bytes_per_s=d.mem_bandwidth,
-                          flops_per_s=flops, cores=d.cores)
+                          flops_per_s=flops, cores=d.cores, device_class=d.device_class)
 
     links = node.links
+    efficiency, latency = class_defaults(node.gpus[0].device_class if node.gpus else "consumer",
+                                         node.cpu.device_class)
+    efficiency.update({k: v for k, v in node.efficiency.model_dump().items() if v is not None})
+    latency.update({k: v for k, v in node.latency.model_dump().items() if v is not None})
     return HardwareSpec(
         name=node.name if node.name is not None else Path(source).stem,
         gpus=tuple(device(g) for g in node.gpus), cpu=device(node.cpu),
         h2d_bytes_per_s=links.h2d if links else 1.0,
         d2h_bytes_per_s=(links.d2h or links.h2d) if links else 1.0,
         gpu_reserve_bytes=int(round(node.reserve.gpu)), cpu_reserve_bytes=int(round(node.reserve.cpu)),
-        efficiency=node.efficiency.model_dump(), latency_s=node.latency.model_dump(),
+        efficiency=efficiency, latency_s=latency,
         price_per_hour=node.price.per_hour if node.price else None, profile=node.profile)
 
 

@@ -16,11 +16,12 @@ from hetplan.problem import Problem
 
 LLAMA_CPP = "llama.cpp master of late 2026 (common/fit.cpp at 08033df, src/llama.cpp at 01649e6)"
 ACCELERATE = "Accelerate 1.x infer_auto_device_map (utils/modeling.py at 00cfd46)"
+KTRANSFORMERS = "kTransformers 0.2 (DeepSeek-V3/R1 tutorial, optimize rules DeepSeek-V3-Chat.yaml)"
 FOLLOWS = {"all-gpu": "-", "greedy": ACCELERATE, "ngl": LLAMA_CPP, "ngl-nkvo": LLAMA_CPP,
            "stream": "FlexGen-style policy (not a particular release)",
-           "cpu-moe": LLAMA_CPP, "n-cpu-moe": LLAMA_CPP}
+           "cpu-moe": LLAMA_CPP, "n-cpu-moe": LLAMA_CPP, "ktransformers": KTRANSFORMERS}
 """strategy -> the tool and version its baseline follows."""
-FAITHFUL = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "cpu-moe", "n-cpu-moe")
+FAITHFUL = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "cpu-moe", "n-cpu-moe", "ktransformers")
 """Baselines that reproduce a tool's placement and execution (``stream`` is a policy, not a
 particular release of FlexGen, whose own policy search picks other fractions)."""
 
@@ -123,7 +124,8 @@ def op_offload(problem: Problem) -> bool:
     return problem.has_gpu and wl.batch * wl.prompt_len >= OP_OFFLOAD_MIN_TOKENS
 
 
-def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = None) -> Decision:
+def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = None,
+               offload: bool | None = None) -> Decision:
     """llama.cpp's execution of a placement: blocks in ``on_gpu`` resident in HBM, the others in
     DRAM. Decode computes each block where its weights are. Prefill with op offload computes a
     host-resident block on the GPU with its weights copied up (weights ``stream``, prefill exec
@@ -135,8 +137,9 @@ def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = N
 
     Leaves out: llama.cpp copies only the experts the micro-batch routes to (with uniform
     routing ``n (1 - (1 - k/n)^T)`` of ``n`` for ``T`` tokens choosing ``k``: all of them, to
-    0.1%, for every preset at 512 tokens; fewer for short prompts), here all of them."""
-    offload = op_offload(problem)
+    0.1%, for every preset at 512 tokens; fewer for short prompts), here all of them.
+    ``offload=False`` turns op offload off (llama.cpp ``--no-op-offload``; kTransformers)."""
+    offload = op_offload(problem) if offload is None else offload
     experts = experts or {}
     weights, exec_ = {}, {ph: {} for ph in PHASES}
     for b in problem.blocks:
@@ -232,6 +235,24 @@ def n_cpu_moe(problem: Problem, n: int | None = None) -> Decision:
     return _llama_cpp(problem, on_gpu, kv, experts)
 
 
+def ktransformers(problem: Problem) -> Decision:
+    """kTransformers 0.2's placement and execution for MoE models (its DeepSeek-V3 rule file:
+    routed experts ``KExpertsCPU``, attention, KV cache, routers, shared experts and dense
+    layers on the GPU, token embeddings on the CPU): ``cpu_moe``'s placement, but the CPU
+    computes its experts in both phases; prefill never copies them to the GPU.
+
+    Leaves out: kTransformers' CUDA graphs (one launch per decode step, so its per-task GPU
+    cost is lower than llama.cpp's), its NUMA expert duplication on two sockets (the node's
+    DRAM bandwidth is what the node.yaml says), and the Marlin GPU kernels' own efficiency."""
+    _need_experts(problem, "ktransformers")
+    if not problem.has_gpu:
+        return all_cpu(problem)
+    on_gpu = {b.name for b in problem.blocks if b.kind != "embed"}
+    experts = {b.name: 0 for b in problem.blocks if b.kind == "moe"}
+    kv = {b.name: "gpu" for b in problem.blocks if b.kind == "attn"}
+    return _llama_cpp(problem, on_gpu, kv, experts, offload=False)
+
+
 # -- FlexGen ------------------------------------------------------------------------------------
 
 def stream(problem: Problem) -> Decision:
@@ -263,7 +284,7 @@ def _gpu_bytes(problem: Problem, dec: Decision) -> float:
 
 BASELINES = {"all-gpu": all_gpu, "greedy": greedy, "ngl": ngl, "ngl-nkvo": ngl_nkvo, "stream": stream}
 """Baselines for every model."""
-MOE_BASELINES = {"cpu-moe": cpu_moe, "n-cpu-moe": n_cpu_moe}
+MOE_BASELINES = {"cpu-moe": cpu_moe, "n-cpu-moe": n_cpu_moe, "ktransformers": ktransformers}
 """Baselines for mixture-of-experts models only."""
 
 

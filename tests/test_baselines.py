@@ -157,6 +157,26 @@ def test_n_cpu_moe_puts_the_experts_of_the_first_n_layers_in_dram():
     assert placed(dec, "moe_0", "moe_1") == [("gpu", "stream", "gpu"), ("gpu", "gpu", "gpu")]
 
 
+def test_ktransformers_computes_the_experts_on_the_cpu_in_prefill_too():
+    # cpu-moe's placement; a 512-token prompt would make llama.cpp copy the experts up, not kTransformers
+    dec = baselines.ktransformers(problem(prompt_len=512, **MOE))
+    assert dec.experts == {f"moe_{l}": 0 for l in range(4)}
+    assert placed(dec, "moe_0", "moe_3") == [("gpu", "gpu", "gpu")] * 2   # the block on the GPU, its 0 hot experts too
+    assert placed(dec, "embed") == [("cpu", "cpu", "cpu")]
+    assert placed(dec, "attn_0", "head") == [("gpu", "gpu", "gpu")] * 2
+    assert set(dec.kv.values()) == {"gpu"}
+    assert baselines.FOLLOWS["ktransformers"].startswith("kTransformers 0.2")
+
+
+def test_ktransformers_prefill_computes_the_experts_on_the_cpu_and_copies_no_weights():
+    from hetplan.schedule import build_schedule
+    p = problem(prompt_len=512, **MOE)
+    kinds = {name: {(t.resource, t.kind) for t in build_schedule(p, baselines.MOE_BASELINES[name](p))["prefill"].tasks}
+             for name in ("cpu-moe", "ktransformers")}
+    assert ("h2d", "load") in kinds["cpu-moe"] and ("cpu", "moe_cold") not in kinds["cpu-moe"]
+    assert ("h2d", "load") not in kinds["ktransformers"] and ("cpu", "moe_cold") in kinds["ktransformers"]
+
+
 # -- Accelerate device_map="auto" ---------------------------------------------------------------
 
 def test_accelerate_reserves_room_for_the_largest_layer_and_offloads_the_rest():

@@ -39,7 +39,8 @@ Examples:
 @click.option("--strategy", default="ilp", show_default=True, metavar="NAME",
               help="ilp (exact MILP), all-gpu, greedy (Accelerate device_map=auto), ngl[:N] "
                    "(llama.cpp -ngl; N omitted = what --fit picks), ngl-nkvo[:N] (-ngl N -nkvo), "
-                   "stream (FlexGen-style), cpu-moe, n-cpu-moe[:N] (llama.cpp --cpu-moe, --n-cpu-moe).")
+                   "stream (FlexGen-style), cpu-moe, n-cpu-moe[:N] (llama.cpp --cpu-moe, --n-cpu-moe), "
+                   "ktransformers (experts on the CPU in both phases).")
 @click.option("--objective", default="latency", show_default=True,
               type=click.Choice(["latency", "ttft", "tpot", "throughput"]),
               help="What to minimise: latency = TTFT + gen-len x TPOT; ttft; tpot; throughput = "
@@ -85,7 +86,7 @@ Examples:
                    "(model.lp -> model.depth1.lp, model.depth2.lp).")
 @click.option("--compare", is_flag=True,
               help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N and ngl-nkvo:N, "
-                   "stream; for MoE models also cpu-moe and best n-cpu-moe:N) on the same model, machine and "
+                   "stream; for MoE models also cpu-moe, best n-cpu-moe:N and ktransformers) on the same model, machine and "
                    "workload: TTFT, TPOT, memory, fits?, ratio, and the tool version each baseline follows.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (path, predicted, memory, solver with solve_seconds, compile_seconds and compile_cpu_seconds, notes"

@@ -17,7 +17,7 @@ from hetplan.problem import Problem, build_problem
 
 BASELINE_ORDER = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "stream")
 """Baselines listed by ``--compare``; ``ngl`` and ``ngl-nkvo`` are shown at their best layer count."""
-MOE_BASELINE_ORDER = ("cpu-moe", "n-cpu-moe")
+MOE_BASELINE_ORDER = ("cpu-moe", "n-cpu-moe", "ktransformers")
 """Listed besides for MoE models; ``n-cpu-moe`` at its best layer count."""
 
 

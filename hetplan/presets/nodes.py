@@ -9,9 +9,9 @@ NODE_PRESETS: dict[str, str] = {
     # 64 GiB DDR5-5600 dual channel (89.6 GB/s), PCIe 4.0 x16.
     "rtx4090-64g": """
 name: rtx4090-64g
-gpus: [{name: RTX 4090, memory: 24GiB, mem_bandwidth: 1008GB/s,
+gpus: [{name: RTX 4090, class: consumer, memory: 24GiB, mem_bandwidth: 1008GB/s,
         flops: {fp16: 165TFLOPS, bf16: 165TFLOPS, fp32: 82.6TFLOPS}}]
-cpu: {name: i9-13900K, cores: 24, memory: 64GiB, mem_bandwidth: 89.6GB/s,
+cpu: {name: i9-13900K, class: desktop, cores: 24, memory: 64GiB, mem_bandwidth: 89.6GB/s,
       flops: {fp32: 1.2TFLOPS, bf16: 1.2TFLOPS}}
 links: {h2d: 25GB/s, d2h: 25GB/s}
 reserve: {gpu: 1GiB, cpu: 4GiB}
@@ -20,9 +20,9 @@ reserve: {gpu: 1GiB, cpu: 4GiB}
     # dual channel (51.2 GB/s), PCIe 4.0 x16.
     "rtx3090-128g": """
 name: rtx3090-128g
-gpus: [{name: RTX 3090, memory: 24GiB, mem_bandwidth: 936GB/s,
+gpus: [{name: RTX 3090, class: consumer, memory: 24GiB, mem_bandwidth: 936GB/s,
         flops: {fp16: 71TFLOPS, bf16: 71TFLOPS, fp32: 35.6TFLOPS}}]
-cpu: {name: Ryzen 9 5950X, cores: 16, memory: 128GiB, mem_bandwidth: 51.2GB/s,
+cpu: {name: Ryzen 9 5950X, class: desktop, cores: 16, memory: 128GiB, mem_bandwidth: 51.2GB/s,
       flops: {fp32: 1.0TFLOPS, bf16: 1.0TFLOPS}}
 links: {h2d: 25GB/s, d2h: 25GB/s}
 reserve: {gpu: 1GiB, cpu: 4GiB}
@@ -31,9 +31,9 @@ reserve: {gpu: 1GiB, cpu: 4GiB}
     # PCIe 3.0 x16 (the FlexGen paper's machine).
     "t4-208g": """
 name: t4-208g
-gpus: [{name: Tesla T4, memory: 16GB, mem_bandwidth: 320GB/s,
+gpus: [{name: Tesla T4, class: datacenter, memory: 16GB, mem_bandwidth: 320GB/s,
         flops: {fp16: 65TFLOPS, fp32: 8.1TFLOPS}}]
-cpu: {name: Xeon 2.0GHz (32 vCPU), cores: 16, memory: 208GB, mem_bandwidth: 60GB/s,
+cpu: {name: Xeon 2.0GHz (32 vCPU), class: server, cores: 16, memory: 208GB, mem_bandwidth: 60GB/s,
       flops: {fp32: 1.0TFLOPS, bf16: 0.5TFLOPS}}
 links: {h2d: 12GB/s, d2h: 12GB/s}
 reserve: {gpu: 1GiB, cpu: 8GiB}
@@ -42,9 +42,9 @@ price: {per_hour: 0.35}
     # Cloud: A100 40 GB SXM (1555 GB/s, 312 TFLOPS bf16) + 256 GiB of 8-channel DDR4-3200, PCIe 4.0.
     "a100-40g-256g": """
 name: a100-40g-256g
-gpus: [{name: A100-SXM4-40GB, memory: 40GB, mem_bandwidth: 1555GB/s,
+gpus: [{name: A100-SXM4-40GB, class: datacenter, memory: 40GB, mem_bandwidth: 1555GB/s,
         flops: {bf16: 312TFLOPS, fp16: 312TFLOPS, fp32: 19.5TFLOPS}}]
-cpu: {name: EPYC 7742 (32 cores), cores: 32, memory: 256GiB, mem_bandwidth: 150GB/s,
+cpu: {name: EPYC 7742 (32 cores), class: server, cores: 32, memory: 256GiB, mem_bandwidth: 150GB/s,
       flops: {fp32: 2.0TFLOPS, bf16: 2.0TFLOPS}}
 links: {h2d: 25GB/s, d2h: 25GB/s}
 reserve: {gpu: 1GiB, cpu: 8GiB}
@@ -53,9 +53,9 @@ price: {per_hour: 1.30}
     # Server slice: H200 141 GB HBM3e (4.8 TB/s, 989 TFLOPS bf16 dense), 16 cores, 128 GiB, PCIe 5.0.
     "h200-128g": """
 name: h200-128g
-gpus: [{name: H200, memory: 141GB, mem_bandwidth: 4800GB/s,
+gpus: [{name: H200, class: datacenter, memory: 141GB, mem_bandwidth: 4800GB/s,
         flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}]
-cpu: {name: Xeon (16 cores), cores: 16, memory: 128GiB, mem_bandwidth: 120GB/s,
+cpu: {name: Xeon (16 cores), class: server, cores: 16, memory: 128GiB, mem_bandwidth: 120GB/s,
       flops: {fp32: 1.5TFLOPS, bf16: 3.0TFLOPS}}
 links: {h2d: 50GB/s, d2h: 50GB/s}
 reserve: {gpu: 2GiB, cpu: 8GiB}
@@ -64,9 +64,9 @@ price: {per_hour: 3.50}
     # Laptop: an 8 GB mobile GPU (RTX 4070 Laptop class, 256 GB/s) + 32 GiB DDR5-4800, PCIe 4.0 x8.
     "laptop-8g": """
 name: laptop-8g
-gpus: [{name: RTX 4070 Laptop, memory: 8GiB, mem_bandwidth: 256GB/s,
+gpus: [{name: RTX 4070 Laptop, class: consumer, memory: 8GiB, mem_bandwidth: 256GB/s,
         flops: {fp16: 45TFLOPS, bf16: 45TFLOPS, fp32: 15TFLOPS}}]
-cpu: {name: Core i7 mobile, cores: 8, memory: 32GiB, mem_bandwidth: 76.8GB/s,
+cpu: {name: Core i7 mobile, class: desktop, cores: 8, memory: 32GiB, mem_bandwidth: 76.8GB/s,
       flops: {fp32: 0.6TFLOPS, bf16: 0.6TFLOPS}}
 links: {h2d: 12GB/s, d2h: 12GB/s}
 reserve: {gpu: 0.75GiB, cpu: 4GiB}
@@ -74,9 +74,9 @@ reserve: {gpu: 0.75GiB, cpu: 4GiB}
     # Server: RTX 4090 in an EPYC 9004 box, 12-channel DDR5-4800 (460.8 GB/s), 512 GiB, AVX-512 BF16.
     "epyc-4090-512g": """
 name: epyc-4090-512g
-gpus: [{name: RTX 4090, memory: 24GiB, mem_bandwidth: 1008GB/s,
+gpus: [{name: RTX 4090, class: consumer, memory: 24GiB, mem_bandwidth: 1008GB/s,
         flops: {fp16: 165TFLOPS, bf16: 165TFLOPS, fp32: 82.6TFLOPS}}]
-cpu: {name: EPYC 9654 (64 cores), cores: 64, memory: 512GiB, mem_bandwidth: 460.8GB/s,
+cpu: {name: EPYC 9654 (64 cores), class: server, cores: 64, memory: 512GiB, mem_bandwidth: 460.8GB/s,
       flops: {fp32: 4.0TFLOPS, bf16: 8.0TFLOPS}}
 links: {h2d: 25GB/s, d2h: 25GB/s}
 reserve: {gpu: 1GiB, cpu: 16GiB}
@@ -85,7 +85,7 @@ reserve: {gpu: 1GiB, cpu: 16GiB}
     "cpu-64g": """
 name: cpu-64g
 gpus: []
-cpu: {name: generic x86-64, cores: 16, memory: 64GiB, mem_bandwidth: 80GB/s,
+cpu: {name: generic x86-64, class: desktop, cores: 16, memory: 64GiB, mem_bandwidth: 80GB/s,
       flops: {fp32: 1.0TFLOPS, bf16: 1.0TFLOPS}}
 reserve: {cpu: 4GiB}
 """,

@@ -12,6 +12,11 @@ from pydantic import BaseModel, ValidationError
 from hetplan.errors import HetplanError
 
 
+def fields_of(model: type) -> dict:
+    """A model's fields by the key a file spells them with (its alias, e.g. ``class``)."""
+    return {f.alias or name: f for name, f in model.model_fields.items()}
+
+
 def dotted(loc: tuple) -> str:
     """('gpus', 0, 'memory') -> 'gpus[0].memory'."""
     out = ""
@@ -75,18 +80,18 @@ def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: s
         siblings = sorted({str(x["loc"][-1]) for x in errs if x["type"] == "extra_forbidden"
                            and tuple(x["loc"][:-1]) == tuple(first["loc"][:-1])})
         inside = f" in '{dotted(loc[:-1])}'" if loc[:-1] else ""
-        accepted = sorted(parent.model_fields) if parent else []
+        accepted = sorted(fields_of(parent)) if parent else []
         return HetplanError(f"{where}: unknown keys {siblings}{inside}; accepted: {accepted}{fix}")
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         from hetplan.schema.node import range_of
 
         parent = _model_at(root, loc[:-1])
-        field = parent.model_fields.get(loc[-1]) if parent and loc and isinstance(loc[-1], str) else None
+        field = fields_of(parent).get(loc[-1]) if parent and loc and isinstance(loc[-1], str) else None
         bounds = range_of(field) if field is not None else msg.lower()
         return HetplanError(f"{where}: '{key}' must be a number in {bounds}, got {first.get('input')!r}{fix}")
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         model = _model_at(root, loc)
-        keys = f" with keys {', '.join(model.model_fields)}" if model else ""
+        keys = f" with keys {', '.join(fields_of(model))}" if model else ""
         return HetplanError(f"{where}: {key}: expected a mapping{keys}, got {first.get('input')!r}{more}{fix}")
     if kind == "missing":
         # the key is not in the file, so there is no line to show

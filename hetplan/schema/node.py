@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import re
 import typing
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from hetplan.schema.errors import fields_of
 from hetplan.units import format_bytes, quantity
 
 _GB, _TB = 1e9, 1e12
@@ -89,6 +90,9 @@ class Flops(_Strict):
 
 class Gpu(_Strict):
     name: str = Field("gpu", description="shown in plans")
+    device_class: Literal["consumer", "datacenter"] = Field(
+        "consumer", alias="class", description="consumer (GeForce, laptop) or datacenter (T4, A100, H100): "
+        "selects the default `gpu_*` efficiencies and latency")
     memory: GpuMemory = Field(description="total HBM; the reserve is subtracted")
     mem_bandwidth: MemBandwidth = Field(description="HBM bandwidth")
     flops: Flops = Field(description="peak rates by dtype")
@@ -97,6 +101,9 @@ class Gpu(_Strict):
 
 class Cpu(_Strict):
     name: str = Field("cpu", description="shown in plans")
+    device_class: Literal["desktop", "server"] = Field(
+        "desktop", alias="class", description="desktop (dual-channel DRAM) or server (Xeon, EPYC; "
+        "several channels or sockets): selects the default `cpu_*` efficiencies and latency")
     cores: Annotated[int, Field(ge=0, le=4096)] = Field(0, description="physical cores")
     memory: CpuMemory = Field(description="total DRAM; the reserve is subtracted")
     mem_bandwidth: MemBandwidth = Field(description="DRAM bandwidth (STREAM-class)")
@@ -113,18 +120,25 @@ class Reserves(_Strict):
     cpu: Reserve = Field(float(4 << 30), description="DRAM kept free (OS, the runtime itself)")
 
 
+BY_CLASS = {"default": "by class"}
+"""README default of a constant that comes from the device class (``hetplan.presets.device_classes``)."""
+
+
 class Efficiency(_Strict):
-    gpu_mem: Fraction = Field(0.85, description="achieved / peak HBM bandwidth")
-    cpu_mem: Fraction = Field(0.7, description="achieved / peak DRAM bandwidth")
-    link: Fraction = Field(0.9, description="achieved / stated link bandwidth")
-    gpu_flops: Fraction = Field(0.7, description="achieved / peak GPU FLOP/s")
-    cpu_flops: Fraction = Field(0.5, description="achieved / peak CPU FLOP/s")
+    gpu_mem: Fraction | None = Field(None, description="achieved / peak HBM bandwidth", json_schema_extra=BY_CLASS)
+    cpu_mem: Fraction | None = Field(None, description="achieved / peak DRAM bandwidth", json_schema_extra=BY_CLASS)
+    link: Fraction | None = Field(None, description="achieved / stated link bandwidth", json_schema_extra=BY_CLASS)
+    gpu_flops: Fraction | None = Field(None, description="achieved / peak GPU FLOP/s", json_schema_extra=BY_CLASS)
+    cpu_flops: Fraction | None = Field(None, description="achieved / peak CPU FLOP/s", json_schema_extra=BY_CLASS)
 
 
 class Latency(_Strict):
-    gpu_task: TaskSeconds = Field(20e-6, description="fixed cost of one GPU task, seconds")
-    cpu_task: TaskSeconds = Field(20e-6, description="fixed cost of one CPU task, seconds")
-    link_task: TaskSeconds = Field(10e-6, description="fixed cost of one copy, seconds")
+    gpu_task: TaskSeconds | None = Field(None, description="fixed cost of one GPU task, seconds",
+                                         json_schema_extra=BY_CLASS)
+    cpu_task: TaskSeconds | None = Field(None, description="fixed cost of one CPU task, seconds",
+                                         json_schema_extra=BY_CLASS)
+    link_task: TaskSeconds | None = Field(None, description="fixed cost of one copy (and the synchronisation "
+                                          "around it), seconds", json_schema_extra=BY_CLASS)
 
 
 class Price(_Strict):
@@ -163,7 +177,7 @@ SECTIONS = (("", Node), ("gpus[]", Gpu), ("cpu", Cpu), ("*.flops", Flops), ("lin
 
 def submodel(model: type, key) -> type | None:
     """The model of ``model``'s field ``key`` (through lists and optionals), or None."""
-    field = model.model_fields.get(key) if isinstance(key, str) else None
+    field = fields_of(model).get(key) if isinstance(key, str) else None
     return None if field is None else submodel_type(field.annotation)
 
 
@@ -201,11 +215,14 @@ def _type_of(name: str, field) -> str:
     t = field.annotation
     if typing.get_origin(t) is list:
         return "list"
+    if typing.get_origin(t) is Literal:
+        return "one of " + ", ".join(typing.get_args(t))
     if submodel_type(t) is not None:
         return "mapping"
     names = {int: "integer", float: "number", str: "string"}
+    plain = {typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in (t, *typing.get_args(t))}
     for cand, label in names.items():
-        if t is cand or cand in typing.get_args(t):
+        if cand in plain:
             return label
     if typing.get_origin(t) is list:
         return "list"
@@ -225,6 +242,8 @@ def range_of(field) -> str:
 def _default_of(field) -> str:
     if field.is_required():
         return "required"
+    if "default" in _extra(field):
+        return _extra(field)["default"]
     if field.default_factory is not None or field.default is None:
         return ""
     d = field.default
@@ -237,7 +256,7 @@ def node_keys_table() -> str:
     """The README's node.yaml key table, generated from the models above."""
     lines = ["| key | type | range | default | meaning |", "| --- | --- | --- | --- | --- |"]
     for prefix, model in SECTIONS:
-        for name, field in model.model_fields.items():
+        for name, field in fields_of(model).items():
             key = f"{prefix}.{name}" if prefix else name
             lines.append(f"| `{key}` | {_type_of(name, field)} | {range_of(field)} | {_default_of(field)} | "
                          f"{field.description or ''} |")

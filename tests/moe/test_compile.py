@@ -98,13 +98,13 @@ def test_compare_lists_the_moe_baselines(files, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["compare"]
     names = [r["strategy"].split(":")[0] for r in rows[1:]]
-    assert names == ["all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe"]
+    assert names == ["all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe", "ktransformers"]
     fitting = [r for r in rows[1:] if r["fits"]]
     assert all(rows[0]["ttft_s"] + 32 * rows[0]["tpot_s"] <= (r["ttft_s"] + 32 * r["tpot_s"]) * (1 + 1e-6)
                for r in fitting)
 
 
-@pytest.mark.parametrize("strategy", ["cpu-moe", "n-cpu-moe:1"])
+@pytest.mark.parametrize("strategy", ["cpu-moe", "n-cpu-moe:1", "ktransformers"])
 def test_moe_baselines_compile(files, tmp_path, strategy):
     out = tmp_path / "p.json"
     # a GPU with 1 GiB usable (--gpu-mem may not exceed the card, so the node itself is larger)
@@ -114,7 +114,7 @@ def test_moe_baselines_compile(files, tmp_path, strategy):
                    "--prompt-len", "128", "--gen-len", "32", "--strategy", strategy, "-o", out)
     assert proc.returncode == 0, proc.stderr
     hot = [p["experts_on_gpu"] for p in json.loads(out.read_text())["placement"] if p["kind"] == "moe"]
-    assert hot == ([0, 0] if strategy == "cpu-moe" else [0, 8])
+    assert hot == ([0, 8] if strategy == "n-cpu-moe:1" else [0, 0])
 
 
 def user_error(*args) -> str:
