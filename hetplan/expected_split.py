@@ -37,12 +37,15 @@ hot ranks, suffix sums over the cold ones, for every n at once). Then
   h_j = [c_j > 0]). The bound is loose (it charges every pair at the steepest slope); the
   Monte-Carlo test in ``tests/moe/test_expected_split.py`` shows the actual error.
 
-Pure numbers (numpy); deterministic, no sampling.
+Pure numbers (numpy); deterministic, no sampling; the result is a function of its inputs only, so
+it is memoised (``split_expectation``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -92,7 +95,17 @@ def _roofline(r, flops, nbytes):
 
 
 def split_expectation(x, index_bytes: float) -> SplitExpectation:
-    """The expected split times of ``x`` (a ``hetplan.experts.ExpertLayer``) for every n."""
+    """The expected split times of ``x`` (a ``hetplan.experts.ExpertLayer``) for every n.
+
+    Memoised on the layer's value (a frozen dataclass) less the ids of its ranked experts, which
+    the times do not depend on: the layers of one model with the same fractions by rank, on the
+    same machine and phase (uniform routing, or a profile whose layers differ only in which
+    expert ids are hot), share one table instead of recomputing it per layer."""
+    return _split_expectation(dataclasses.replace(x, ranked=tuple(range(len(x.ranked)))), index_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _split_expectation(x, index_bytes: float) -> SplitExpectation:
     t, e = x.tokens, x.n_experts
     f = np.minimum(np.asarray(x.fraction, dtype=float), 1.0)
     p = 1.0 - (1.0 - f) ** t
