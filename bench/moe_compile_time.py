@@ -12,6 +12,7 @@ or both), and whether the target holds (<= 10 s wall,
 
     python bench/moe_compile_time.py                       # every row
     python bench/moe_compile_time.py --only mixtral-8x7b --time-limit 30
+    python bench/moe_compile_time.py --match throughput --match 512GiB
 """
 
 from __future__ import annotations
@@ -93,13 +94,16 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=DEFAULTS.time_limit_s,
                     help="ILP time limit per MILP solved, s (default %(default)s)")
     ap.add_argument("--only", action="append", metavar="MODEL", choices=MODELS)
+    ap.add_argument("--match", action="append", metavar="TEXT",
+                    help="only the rows whose label contains TEXT (repeatable)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="hetplan-routing-"))
     profiles = {}
     for m in MODELS:
         profiles[m] = str(tmp / f"{m}.json")
         write_routing(profiles[m], skewed_profile(model_preset(m), 1.0, 0))
-    rows_in = [r for r in scenarios(profiles, rtx4090_512g(tmp)) if not args.only or r[1]["model"] in args.only]
+    rows_in = [r for r in scenarios(profiles, rtx4090_512g(tmp)) if (not args.only or r[1]["model"] in args.only)
+               and (not args.match or any(m in r[0] for m in args.match))]
     print(f"# MoE compile time, skewed profiles (Zipf 1.0, seed 0): {len(rows_in)} rows, weights {WEIGHT_DTYPE}, "
           f"max_nodes {args.max_nodes}, mip_gap {args.mip_gap:g}, time limit {args.time_limit:g} s per MILP; "
           f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
