@@ -161,8 +161,11 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     info = {"strategy": "ilp", "status": res.status, "mip_gap": res.mip_gap, "lower_bound_s": res.bound_s,
             "milp_objective_s": res.objective_s,
             "options": {"time_limit_s": opts.time_limit_s, "max_nodes": opts.max_nodes,
-                        "mip_rel_gap": opts.mip_rel_gap, "depths": list(opts.depths)},
-            "size": {"binaries": res.n_binaries, "constraints": res.n_constraints}}
+                        "mip_rel_gap": opts.mip_rel_gap, "depths": list(opts.depths)}}
+    if res.formulation == "milp":
+        info["size"] = {"binaries": res.n_binaries, "constraints": res.n_constraints}
+    else:  # the chain DP decided some configuration (solvers/ilp/chain.py): no MILP size to state
+        info["formulation"] = res.formulation
     dec = res.decision
     if dec is not None and problem.has_gpu and not res.status.startswith(PLAN_STATUSES):
         raise HetplanError(f"the MILP solver stopped with status {res.status!r} and no usable plan, so nothing "

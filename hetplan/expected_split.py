@@ -37,12 +37,15 @@ hot ranks, suffix sums over the cold ones, for every n at once). Then
   h_j = [c_j > 0]). The bound is loose (it charges every pair at the steepest slope); the
   Monte-Carlo test in ``tests/moe/test_expected_split.py`` shows the actual error.
 
-Pure numbers (numpy); deterministic, no sampling.
+Pure numbers (numpy); deterministic, no sampling; the result is a function of its inputs only, so
+it is memoised per distinct layer (``split_table``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -148,7 +151,22 @@ class SplitTable:
                 self.lip_h * s_h + self.lip_c * s_c)
 
 
+def split_table(x, index_bytes: float) -> SplitTable:
+    """The (lazily filled) table of ``x`` (a ``hetplan.experts.ExpertLayer``).
+
+    Memoised on the layer's value (a frozen dataclass) less the ids of its ranked experts, which
+    the times do not depend on: the layers of one model with the same fractions by rank, on the
+    same machine and phase (uniform routing, or a profile whose layers differ only in which
+    expert ids are hot), share one table instead of recomputing it per layer."""
+    return _split_table(dataclasses.replace(x, ranked=tuple(range(len(x.ranked)))), index_bytes)
+
+
+@lru_cache(maxsize=256)
+def _split_table(x, index_bytes: float) -> SplitTable:
+    return SplitTable(x, index_bytes)
+
+
 def split_expectation(x, index_bytes: float) -> SplitExpectation:
-    """The expected split times of ``x`` (a ``hetplan.experts.ExpertLayer``) for every n."""
-    table = SplitTable(x, index_bytes)
+    """The expected split times of ``x`` for every n."""
+    table = split_table(x, index_bytes)
     return SplitExpectation(*(tuple(col) for col in zip(*(table.at(n) for n in range(x.n_experts + 1)))))

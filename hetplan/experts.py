@@ -48,7 +48,7 @@ from itertools import accumulate
 
 from hetplan import cost
 from hetplan.dtypes import compute_dtype
-from hetplan.expected_split import SplitExpectation, SplitTable
+from hetplan.expected_split import SplitExpectation, SplitTable, split_table
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 
@@ -147,7 +147,7 @@ class ExpertLayer:
     def table(self) -> SplitTable:
         """Expected task and block times over the routing distribution, per hot count, computed
         as asked (``hetplan.expected_split``)."""
-        return SplitTable(self, INDEX_BYTES)
+        return split_table(self, INDEX_BYTES)
 
     @cached_property
     def expected(self) -> SplitExpectation:

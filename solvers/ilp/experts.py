@@ -6,7 +6,7 @@ a nonlinear function of the hot count, so the MILP indexes it as a table. Per Mo
 E routed experts (hottest first) and its residence binary r_b:
   y_bn     binary, n = 0 .. E: block b resident with exactly its n hottest experts in HBM
                sum_n y_bn = r_b                                    (one hot count when resident)
-  v_bnp    binary, n in [E - fit, E - 1] (where ``_stream_can_pay``): in phase p its E - n cold
+  v_bnp    binary, n in [E - fit, E - 1] (where ``stream_can_pay``): in phase p its E - n cold
            experts are streamed into the staging slot and run on the GPU,   v_bnp <= y_bn
 The block's end time in phase p, HBM bytes and streamed load are then linear:
   E_b = S_b + base_bp + MS (sum_n t_split(n) (y_bn - v_bnp) + sum_n t_all v_bnp)
@@ -29,7 +29,7 @@ class ExpertVars:
 
     def __init__(self, prob, problem, r, slot_bytes: float | None = None, depth: int = 1):
         """``slot_bytes``: the configuration's fixed staging slot; cold experts that fit in it
-        may be streamed (a phase's ``v``) where that can pay (``_stream_can_pay``), none when
+        may be streamed (a phase's ``v``) where that can pay (``stream_can_pay``), none when
         None. ``depth``: the configuration's staging depth."""
         self.prob, self.problem, self.r, self.depth = prob, problem, r, depth
         self.layers = problem.experts.get("decode", {})
@@ -47,33 +47,12 @@ class ExpertVars:
         """v_bnp: block b's E - n cold experts (all of them, at most ``fit``) streamed into the
         slot in phase p, then computed on the GPU:   v_bnp <= y_bn."""
         for p in ("prefill", "decode"):
-            if not self._stream_can_pay(p, b, fit):
+            if not stream_can_pay(self.problem, p, b, fit, self.depth):
                 continue
             for n in range(max(0, x.n_experts - fit), x.n_experts):
                 v = pulp.LpVariable(f"v_cold_{b}_{n}_{p}", cat="Binary")
                 self.v[b, n, p] = v
                 self.prob += v <= self.y[b, n], f"stream_needs_count_{b}_{n}_{p}"
-
-    def _stream_can_pay(self, p, b, fit: int) -> bool:
-        """False when streaming block b's cold experts in phase p is dominated for every count
-        it could stream: the load is issued when block b - 1 starts (depth 2) or ends (depth 1),
-        so with depth 2 it hides at most behind block b - 1 (every stage at its slower device,
-        plus its copies) and with depth 1 behind nothing; if for each n in [E - fit, E - 1]
-            t_load(E - n) + t_route + t_hot(E)  >=  hide + t_split(n),
-        running the cold experts on the CPU ends block b no later, adds no load to the h2d
-        queue and needs no more memory, so no plan is lost by leaving the option out."""
-        x = self.problem.experts[p][b]
-        names = [blk.name for blk in self.problem.blocks]
-        hide = 0.0
-        if self.depth >= 2:
-            prev = names[names.index(b) - 1]
-            hide = sum(max(c.gpu_s, c.cpu_s) + c.up_s + c.down_s
-                       for c in self.problem.stages[p] if c.stage.block == prev)
-        split = x.split_times
-        streamed = x.route_s() + x.hot_s(x.n_experts)
-        e = x.n_experts
-        return any(x.h2d.seconds(0.0, (e - n) * x.expert_bytes) + streamed < hide + split[n]
-                   for n in range(max(0, e - fit), e))
 
     def _streams(self, b, p) -> list:
         """[(n, v_bnp)] of block b in phase p (none for a block that is not MoE)."""
@@ -120,3 +99,25 @@ class ExpertVars:
 
     def hot_count(self, b) -> int:
         return next((n for n in range(self.layers[b].n_experts + 1) if (self.y[b, n].value() or 0.0) > 0.5), 0)
+
+
+def stream_can_pay(problem, p, b, fit: int, depth: int) -> bool:
+    """False when streaming block b's cold experts in phase p is dominated for every count
+    it could stream: the load is issued when block b - 1 starts (depth 2) or ends (depth 1),
+    so with depth 2 it hides at most behind block b - 1 (every stage at its slower device,
+    plus its copies) and with depth 1 behind nothing; if for each n in [E - fit, E - 1]
+        t_load(E - n) + t_route + t_hot(E)  >=  hide + t_split(n),
+    running the cold experts on the CPU ends block b no later, adds no load to the h2d
+    queue and needs no more memory, so no plan is lost by leaving the option out."""
+    x = problem.experts[p][b]
+    names = [blk.name for blk in problem.blocks]
+    hide = 0.0
+    if depth >= 2:
+        prev = names[names.index(b) - 1]
+        hide = sum(max(c.gpu_s, c.cpu_s) + c.up_s + c.down_s
+                   for c in problem.stages[p] if c.stage.block == prev)
+    split = x.split_times
+    streamed = x.route_s() + x.hot_s(x.n_experts)
+    e = x.n_experts
+    return any(x.h2d.seconds(0.0, (e - n) * x.expert_bytes) + streamed < hide + split[n]
+               for n in range(max(0, e - fit), e))

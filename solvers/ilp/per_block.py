@@ -2,7 +2,8 @@
 share a bus (``hetplan.buses``), solved by HiGHS through PuLP.
 
 ``solve`` runs one MILP per configuration (staging depth, slot size): the count MILP of
-``layers`` when the model's layers are all alike, else the per-block MILP below. For the
+``layers`` when the model's layers are all alike, else the per-block MILP below, which for a MoE
+model the chain DP (``chain``) solves instead wherever it proves the optimum. For the
 per-block MILP, steps: (1) variables, (2) the objective, (3) constraint families (``constraints``, one
 function each with its math), (4) solve with a time limit, (5) read the decision and the true
 status and gap. The model is a pure function of the Problem; ``dump_lp`` writes it.
@@ -24,6 +25,8 @@ from hetplan.graph import PHASES
 from hetplan.plan import Decision
 from hetplan.problem import Problem
 from hetplan.solvers.ilp import constraints as C
+from hetplan.solvers.ilp.chain import Chain
+from hetplan.solvers.ilp.chain_plan import solve_config
 from hetplan.solvers.ilp.constraints import MODES
 from hetplan.solvers.ilp.experts import ExpertVars
 from hetplan.solvers.ilp.layers import LayerModel, layered
@@ -33,6 +36,9 @@ from hetplan.solvers.ilp.objective import gap as gap_of
 
 
 COUNT_NODES_PER_NODE = 100
+STATES_PER_NODE = 20_000
+"""States the chain DP (``chain``) may keep per branch-and-bound node of ``max_nodes``: its
+deterministic limit, raised with ``--max-nodes`` as the MILPs' is."""
 
 
 def memory_unit(problem: Problem) -> float:
@@ -61,6 +67,9 @@ class IlpOptions:
     count_layers: bool = True
     """Solve a model of identical layers with the count MILP (``layers``); False forces the
     per-block MILP (a cross-check: both are exact)."""
+    chain_dp: bool = True
+    """Solve a MoE model's per-block configurations with the chain DP (``chain``) where it
+    proves the optimum; False forces the per-block MILP (a cross-check: both are exact)."""
     dump_lp: str | None = None
 
 
@@ -77,6 +86,9 @@ class IlpResult:
     solve_seconds: float
     n_binaries: int
     n_constraints: int
+    formulation: str = "milp"
+    """What proved it: ``milp``, ``chain-dp`` (every configuration by the chain DP), or
+    ``chain-dp+milp``."""
 
 
 class _Model:
@@ -116,15 +128,8 @@ class _Model:
         for p in PHASES:
             self._timeline(p)
         # (2) objective ----------------------------------------------------------------------
-        self.weights = Weights(problem, self._slowest_s)
+        self.weights = Weights(problem, slowest_stage_s(problem))
         self.prob += self.weights.weighted_ms(self.T), "objective_ms"
-
-    def _slowest_s(self, p, c) -> float:
-        """A stage's longest time over its devices (and, for an MoE block, every expert split)."""
-        slowest = max(c.gpu_s, c.cpu_s)
-        if c.stage.block in self.xv.layers:
-            slowest = max(slowest, self.xv.max_split_s(p, c.stage.block))
-        return slowest
 
     def _modes(self, p):
         """(block, mode) -> indicator expression of block b executing in mode G, S or C in phase p."""
@@ -295,6 +300,45 @@ class _Model:
         return Decision(weights, exec_, kv, depth=self.depth, experts=experts)
 
 
+def slowest_stage_s(problem: Problem):
+    """(phase, stage cost) -> the stage's longest time over its devices (and, for an MoE
+    block, every expert split): what ``Weights`` bounds a phase with."""
+    moe = problem.experts.get("decode", {})
+
+    def slowest(p, c) -> float:
+        t = max(c.gpu_s, c.cpu_s)
+        if c.stage.block in moe:
+            t = max(t, max(problem.experts[p][c.stage.block].split_times))
+        return t
+    return slowest
+
+
+def _chains(problem: Problem, configs: list, opts: IlpOptions) -> tuple[dict, Weights]:
+    """The chain DP of every configuration of a MoE model (``chain``), each with its
+    Lagrangian dual bound solved, or none when ``opts.chain_dp`` is off."""
+    weights = Weights(problem, slowest_stage_s(problem))
+    if not (opts.chain_dp and problem.experts):
+        return {}, weights
+    cache = {}
+    chains = {c: Chain(problem, c[0], c[1], opts.stream_cold, weights.w, cache) for c in configs if c[1] is not None}
+    return chains, weights
+
+
+def _solve_chain(chain: Chain, weights: Weights, opts: IlpOptions, cutoff_s: float | None) -> IlpResult | None:
+    """One configuration by the chain DP (``chain.solve_config``), or None: the MILP decides."""
+    t0 = time.perf_counter()
+    res = solve_config(chain, weights, cutoff_s, opts.mip_rel_gap, opts.max_nodes * STATES_PER_NODE)
+    if res is None:
+        return None
+    # a cut-off configuration holds nothing better than the plan found (within the gap), the
+    # DP's state limit is deterministic as HiGHS's node limit is, and reported as one
+    status = {"cut_off": "optimal", "state_limit": "node_limit"}.get(res.status, res.status)
+    gap = gap_of(res.objective_s, res.bound_s) if res.decision is not None else \
+        (0.0 if status == "optimal" else float("inf"))
+    return IlpResult(res.decision, status, gap, res.objective_s, res.bound_s, time.perf_counter() - t0, 0, 0,
+                     "chain-dp")
+
+
 def configurations(problem: Problem, depths, by_slot: bool) -> list:
     """(staging depth, slot bytes or None) of every MILP solved; the best over them is the
     optimum, and each one's bound is valid, so the least bound bounds the optimum.
@@ -339,7 +383,9 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     ``opts.depths``, and for MoE models and models of identical layers slot sizes); return the
     best decision, with the bound and gap over all of them (the optimum is >= the least
     configuration bound). A model of identical layers is solved by the count MILP
-    (``layers``), any other by the per-block MILP. No MIP start is handed to HiGHS: with a
+    (``layers``), any other by the per-block MILP; for a MoE model each configuration goes
+    first to the chain DP (``chain``, configurations in order of their Lagrangian bounds), and
+    to the per-block MILP only where the DP's plan meets a bus-total or prompt-KV row it left out. No MIP start is handed to HiGHS: with a
     partial start (the placement binaries of a baseline) HiGHS 1.16 declared worse plans optimal
     on small dense models at depth 2 (``tests/test_ilp_layers.py`` cross-checks both MILPs)."""
     opts = opts or IlpOptions()
@@ -355,6 +401,12 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
         layer_models = {c: LayerModel(problem, shape, c[0], c[1], unit) for c in configs}
         lp = {c: m.lp_bound_s(opts) for c, m in layer_models.items()}
         configs = sorted(configs, key=lambda c: (lp[c], configs.index(c)))
+    t_setup = time.perf_counter()
+    chains, weights = _chains(problem, configs, opts) if shape is None else ({}, None)
+    if chains:  # in order of their Lagrangian bounds: the best plan is found early, cutting off the rest
+        dual = {c: ch.lagrangian()[2] for c, ch in chains.items()}
+        configs = sorted(configs, key=lambda c: (dual.get(c, float("-inf")), configs.index(c)))
+    t_setup = time.perf_counter() - t_setup
     for depth, slot in configs:
         tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
         dump = f"{opts.dump_lp.removesuffix('.lp')}{tag}.lp" if opts.dump_lp else None
@@ -371,6 +423,8 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
                                          0.0, *model.size()))
                 continue
             res = _solve_layers(problem, model, config_opts, cutoff)
+        if res is None and (depth, slot) in chains:
+            res = _solve_chain(chains[depth, slot], weights, config_opts, cutoff)
         if res is None:
             res = _Model(problem, depth, slot, stream_cold=opts.stream_cold).solve(config_opts, cutoff_s=cutoff)
         if res.decision is None and found and res.status in ("infeasible", "objective_bound"):
@@ -380,7 +434,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
         results.append(res)
     if not results:
         raise HetplanError("the ILP was given no staging depth to try")
-    total = sum(r.solve_seconds for r in results)
+    total = t_setup + sum(r.solve_seconds for r in results)
     feasible = [r for r in results if r.decision is not None]
     bound = min(r.bound_s for r in results)
     if not feasible:
@@ -394,4 +448,6 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     status = "optimal" if gap <= opts.mip_rel_gap * (1 + 1e-9) else \
         next((r.status for r in results if r.status not in ("optimal", "infeasible", "objective_bound")),
              "optimal")
-    return IlpResult(best.decision, status, gap, best.objective_s, bound, total, best.n_binaries, best.n_constraints)
+    formulation = "+".join(f for f in ("chain-dp", "milp") if any(r.formulation == f for r in results))
+    return IlpResult(best.decision, status, gap, best.objective_s, bound, total, best.n_binaries, best.n_constraints,
+                     formulation)
