@@ -20,6 +20,7 @@ from hetplan.model import FAMILIES
 from hetplan.plan.format import RESOURCES, SCHEMA_VERSION, TIERS, WEIGHTS
 from hetplan.schema.fields import (Bytes, Count, Dim, Fingerprint, FlopRate, Fraction, LinkRate, MemRate,
                                    Seconds, Strict, count, quantity)
+from hetplan.schema.config import RopeScaling
 from hetplan.schema.routing import Routing
 from hetplan.workload import OBJECTIVES
 
@@ -36,24 +37,6 @@ Objective = Literal[OBJECTIVES]
 
 
 # -- model ---------------------------------------------------------------------------------------
-
-class RopeScaling(Strict):
-    """A Hugging Face ``rope_scaling`` mapping (the keys transformers' rope types read)."""
-    rope_type: Name | None = Field(None, description="default, linear, dynamic, yarn, longrope, llama3")
-    type: Name | None = Field(None, description="older name of rope_type")
-    factor: quantity("x", 1e6, low_open=True) | None = Field(None, description="context extension factor")
-    original_max_position_embeddings: Dim | None = Field(None, description="context before scaling")
-    low_freq_factor: quantity("x", 1e6, low_open=True) | None = Field(None, description="llama3")
-    high_freq_factor: quantity("x", 1e6, low_open=True) | None = Field(None, description="llama3")
-    beta_fast: quantity("x", 1e6) | None = Field(None, description="yarn")
-    beta_slow: quantity("x", 1e6) | None = Field(None, description="yarn")
-    mscale: quantity("x", 1e6) | None = Field(None, description="yarn (deepseek)")
-    mscale_all_dim: quantity("x", 1e6) | None = Field(None, description="yarn (deepseek)")
-    attention_factor: quantity("x", 1e6) | None = Field(None, description="yarn, longrope")
-    truncate: bool | None = Field(None, description="yarn")
-    short_factor: list[quantity("x", 1e6)] | None = Field(None, description="longrope")
-    long_factor: list[quantity("x", 1e6)] | None = Field(None, description="longrope")
-
 
 class ModelExtra(Strict):
     """Family-specific settings the runtime reads (deepseek routing, qwen3_moe normalisation)."""
@@ -81,8 +64,8 @@ class Model(Strict):
     tie_embeddings: bool = Field(False, description="head shares the embedding's weights")
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="normalisation")
     norm_eps: quantity("x", 1.0, low_open=True) = Field(1e-6, description="normalisation epsilon")
-    act: Literal["silu", "swish", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh"] = Field(
-        "silu", description="MLP activation")
+    act: Name = Field("silu", description="MLP activation (the runtime runs silu, swish, relu, gelu, "
+                      "gelu_new, gelu_pytorch_tanh)")
     gated_mlp: bool = Field(True, description="gate+up+down (SwiGLU) or up+down")
     pos: Literal["rope", "learned"] = Field("rope", description="position encoding")
     rope_theta: quantity("x", 1e12, low_open=True) = Field(10000.0, description="RoPE base")
@@ -352,8 +335,9 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("hardware.efficiency", HwEfficiency), ("hardware.latency_s", HwLatency), ("workload", Workload),
             ("solver", Solver), ("solver.options", SolverOptions), ("solver.size", SolverSize),
             ("placement[]", Placement), ("placement[].exec", BlockExec), ("staging", Staging),
-            ("memory", Memory), ("memory.breakdown.gpu", GpuBreakdown), ("memory.breakdown.cpu", CpuBreakdown),
+            ("memory", Memory), ("memory.breakdown", Breakdown), ("memory.breakdown.gpu", GpuBreakdown), ("memory.breakdown.cpu", CpuBreakdown),
             ("predicted", Predicted), ("predicted.bottleneck", Bottleneck),
-            ("schedule.prefill, schedule.decode", PhaseSchedule), ("schedule.*.tasks[]", Task),
-            ("inputs", Inputs), ("inputs.cli_args", CliArgs))
+            ("schedule", Schedule), ("schedule.prefill, schedule.decode", PhaseSchedule), ("schedule.*.tasks[]", Task),
+            ("inputs", Inputs), ("inputs.cli_args", CliArgs),
+            ("inputs.cli_args.routing", Routing))
 """Where each model sits in a plan, for the README's key table (``a, b``: both places)."""
