@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from hetplan.errors import HetplanError
 from hetplan.files import parse_json, read_text
 from hetplan.model import FAMILIES, ModelSpec
-from hetplan.schema.config import HfConfig
+from hetplan.schema.config import HfConfig, near_miss, typo_message
 from hetplan.schema.errors import schema_error
 from hetplan.schema.positions import json_line
 
@@ -52,6 +52,10 @@ def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.j
     their line)."""
     if not isinstance(cfg, dict):
         raise HetplanError(f"{source}: expected a JSON object at the top level")
+    typo = near_miss(cfg)
+    if typo:
+        line = json_line(text, (typo[0],)) if text is not None else None
+        raise HetplanError(f"{source}{f':{line}' if line else ''}: {typo_message(*typo)}")
     try:
         HfConfig.model_validate(cfg)
     except ValidationError as e:

@@ -104,14 +104,9 @@ class HfConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_near_miss(cls, data):
-        if isinstance(data, dict):
-            read = read_keys()
-            for key in data:
-                if isinstance(key, str) and key not in read and key not in HF_KEYS_NOT_READ:
-                    near = difflib.get_close_matches(key, read, n=1, cutoff=NEAR_MISS)
-                    if near:
-                        raise ValueError(f"unknown key {key!r}: did you mean {near[0]!r}? (hetplan reads "
-                                         f"{near[0]!r}; other keys it does not read are ignored)")
+        typo = near_miss(data) if isinstance(data, dict) else None
+        if typo:
+            raise ValueError(typo_message(*typo))
         return data
 
 
@@ -121,6 +116,22 @@ NEAR_MISS = 0.88
 HF_KEYS_NOT_READ = frozenset({"layer_norm_eps", "num_nextn_predict_layers", "qk_head_dim", "num_kv_heads",
                               "original_max_position_embeddings", "ffn_hidden_size"})
 """Real Hugging Face keys that look like a key hetplan reads but are another setting."""
+
+
+def near_miss(cfg: dict) -> tuple[str, str] | None:
+    """The first (key, the read key it is a near-miss of) among ``cfg``'s unknown keys, or None."""
+    read = read_keys()
+    for key in cfg:
+        if isinstance(key, str) and key not in read and key not in HF_KEYS_NOT_READ:
+            near = difflib.get_close_matches(key, read, n=1, cutoff=NEAR_MISS)
+            if near:
+                return key, near[0]
+    return None
+
+
+def typo_message(key: str, meant: str) -> str:
+    return (f"unknown key {key!r}: did you mean {meant!r}? (hetplan reads {meant!r}; keys it does not "
+            f"read are ignored)")
 
 
 def read_keys() -> list[str]:
