@@ -139,6 +139,8 @@ def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: s
         return HetplanError(f"{source}: missing key '{key}'{fix}")
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+        if not loc:  # a check across keys: the message names them
+            return HetplanError(f"{where}: {msg}{more}{fix}")
     elif kind.endswith("_type") or kind in ("literal_error", "string_pattern_mismatch", "too_short", "too_long",
                                             "finite_number", "bool_parsing", "int_from_float"):
         msg = f"{msg[0].lower()}{msg[1:]}, got {_short(first.get('input'))}"

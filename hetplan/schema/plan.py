@@ -188,6 +188,17 @@ class Placement(Strict):
     weight_bytes: Bytes = Field(description="weights of the block")
     kv_bytes: Bytes = Field(description="KV cache of the block")
 
+    @model_validator(mode="after")
+    def _fields_of_its_kind(self):
+        if (self.kv is None) != (self.kind != "attn"):
+            raise ValueError(f"block {self.block!r} ({self.kind}): 'kv' is set for attention blocks only "
+                             f"(gpu or cpu), null for the others")
+        if self.kind != "moe" and (self.experts_on_gpu is not None or self.gpu_experts is not None):
+            raise ValueError(f"block {self.block!r} ({self.kind}): experts are recorded for MoE blocks only")
+        if (self.layer is None) != (self.kind in ("embed", "head")):
+            raise ValueError(f"block {self.block!r} ({self.kind}): 'layer' is null for embed and head only")
+        return self
+
 
 class Staging(Strict):
     depth: count(64, 1) = Field(description="staging-buffer slots")
@@ -253,6 +264,12 @@ class Task(Strict):
     flops: quantity("FLOP", 1e24) = Field(0.0, description="work it does")
     slot: count(64) | None = Field(None, description="staging slot of a load")
     cost_source: Literal["analytic", "profile"] = Field("analytic", description="where duration_s came from")
+
+    @model_validator(mode="after")
+    def _ends_after_it_starts(self):
+        if self.end_s < self.start_s:
+            raise ValueError(f"task {self.id!r} ends ({self.end_s:g} s) before it starts ({self.start_s:g} s)")
+        return self
 
 
 class PhaseSchedule(Strict):
