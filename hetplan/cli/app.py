@@ -71,7 +71,14 @@ def require_torch(command: str) -> None:
 def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning(warnings.showwarning)
-        return _main(argv)
+        rc = _main(argv)
+    if rc == EXIT_INTERRUPTED and argv is None:
+        # The console command, interrupted: nothing is left to write, and freeing a large solver
+        # model on the way out would take seconds; leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def _one_line_warning(show_other):

@@ -15,6 +15,7 @@ from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
 from hetplan.files import writable_target
 from hetplan.plan import write_atomic
+from hetplan.progress import activity, cancellable, step
 from hetplan.units import format_seconds
 
 DEFAULT_BUDGET = "120s"
@@ -91,7 +92,9 @@ def measure(out: str, budget_s: float, models: tuple, progress=None, started: fl
     out_path = Path(out)
     prof_path = out_path.with_name(out_path.stem + ".profile.json")
     budget = Budget(budget_s, start=started if started is not None else time.perf_counter())
-    result = profile_machine(budget, specs, progress=progress)
+    with step(f"profiling for up to {budget_s:g} s (Ctrl-C stops; nothing is written until the end)",
+              long=True), cancellable():
+        result = profile_machine(budget, specs, progress=progress)
     missing = [k for k in _required(result.peaks) if k not in result.peaks]
     if missing:
         raise HetplanError(f"refusing to write {out}: --budget {budget_s:g}s was too short to measure "
@@ -125,7 +128,8 @@ def command(out, budget, models, trace, profile_path, plan_path):
     that `hetplan compile --hw` reads, with a measured per-op table the cost model prefers."""
     started = time.perf_counter()
     if not trace:
-        require_torch("profile")
+        with step("loading torch"):
+            require_torch("profile")
     if trace:
         _fold(trace, profile_path, plan_path)
         return
@@ -134,8 +138,10 @@ def command(out, budget, models, trace, profile_path, plan_path):
     budget_s = parse_budget(budget)
 
     def progress(n):
-        return click.progressbar(length=n, label="profiling", file=sys.stderr, show_pos=True,
-                                 item_show_func=lambda s: s or "")
+        if sys.stderr.isatty():
+            return click.progressbar(length=n, label="profiling", file=sys.stderr, show_pos=True,
+                                     item_show_func=lambda s: s or "")
+        return _Steps(n)
 
     result, prof_path = measure(out, budget_s, models, progress=progress, started=started)
     info, p = result.table.info, result.peaks
@@ -151,6 +157,24 @@ def command(out, budget, models, trace, profile_path, plan_path):
     if load is not None and load >= 1.0:
         click.echo(f"note: the load average was {load:g} when profiling started: other work was using "
                    f"the CPUs, and the times measured include its interference", err=True)
+
+
+class _Steps:
+    """Progress of the measurements off a terminal: the step being measured becomes the activity
+    that ``hetplan.progress``'s heartbeat repeats (a line every 2 s at most, none for a quick run)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int, current_item: str | None = None) -> None:
+        self.done += n
+        activity(f"{self.done}/{self.total} {current_item or ''}".rstrip())
 
 
 def _fold(trace: str, profile_path: str | None, plan_path: str | None) -> None:
