@@ -66,20 +66,19 @@ class _Progress:
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
             emulate, routing_path, as_json):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
-    with step("loading torch"):
-        require_torch("exec")
     for option, target in (("--trace", trace_path), ("--record-routing", routing_path)):
         if target:
             writable_target(target, option)  # before the run, not after it
+    if greedy and temperature is not None:
+        raise HetplanError("--greedy and --temperature: give one of them")
+    if temperature is not None and not 0 < temperature < float("inf"):
+        raise HetplanError(f"--temperature {temperature}: must be a finite number > 0 (use --greedy for argmax)")
+    if gen_len is not None and gen_len < 1:
+        raise HetplanError(f"--gen-len {gen_len}: must be at least 1")
+    require_torch("exec")  # after the checks that need no torch, so a mistake is refused at once
     from hetplan.runtime.prompt import parse_prompt_ids
     from hetplan.runtime.session import RunOptions, choose_mode, run_plan
 
-    if greedy and temperature is not None:
-        raise HetplanError("--greedy and --temperature: give one of them")
-    if temperature is not None and temperature <= 0:
-        raise HetplanError(f"--temperature {temperature}: must be > 0 (use --greedy for argmax)")
-    if gen_len is not None and gen_len < 1:
-        raise HetplanError(f"--gen-len {gen_len}: must be at least 1")
     plan = load_plan(plan_path)
     if plan.model.extra.get("source") == "onnx" or model_path is not None:
         from hetplan.frontends.onnx.importer import with_onnx_file

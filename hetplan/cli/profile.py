@@ -21,12 +21,20 @@ from hetplan.units import format_seconds
 DEFAULT_BUDGET = "120s"
 
 
+BUDGET_MAX_S = 24 * 3600.0
+"""The longest --budget accepted: a day (a profile needs minutes)."""
+
+
 def parse_budget(text: str) -> float:
     """``120s``, ``2m``, ``90`` (seconds) -> seconds."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min)?\s*", str(text))
     if not m or float(m.group(1)) <= 0:
         raise HetplanError(f"--budget: cannot read {text!r} as a duration (write e.g. 120s or 2m)")
-    return float(m.group(1)) * (60.0 if m.group(2) in ("m", "min") else 1.0)
+    seconds = float(m.group(1)) * (60.0 if m.group(2) in ("m", "min") else 1.0)
+    if seconds > BUDGET_MAX_S:
+        raise HetplanError(f"--budget {text}: longer than {BUDGET_MAX_S / 3600:g} hours; a profile needs "
+                           f"minutes (the default is {DEFAULT_BUDGET})")
+    return seconds
 
 
 def node_dict(peaks: dict, machine: dict, profile_file: str) -> dict:
@@ -128,8 +136,7 @@ def command(out, budget, models, trace, profile_path, plan_path):
     that `hetplan compile --hw` reads, with a measured per-op table the cost model prefers."""
     started = time.perf_counter()
     if not trace:
-        with step("loading torch"):
-            require_torch("profile")
+        require_torch("profile")
     if trace:
         _fold(trace, profile_path, plan_path)
         return

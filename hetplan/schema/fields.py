@@ -23,6 +23,10 @@ LINK_BYTES_PER_S_MAX = 2e12
 """No CPU-GPU link is faster than about 900 GB/s (NVLink-C2C)."""
 FLOPS_MAX = 1e17
 """No device computes more than about 20 PFLOP/s dense."""
+TIME_LIMIT_MAX_S = 1e7
+"""The longest ``--time-limit`` (about 4 months): beyond it a value is a typo."""
+MAX_NODES_MAX = 10**9
+"""The largest ``--max-nodes``."""
 DIM_MAX = 1 << 24
 """Largest width, layer count, vocabulary or context a file may name (16.7 M: above any model's)."""
 

@@ -18,8 +18,8 @@ from pydantic import Field, model_validator
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.model import FAMILIES
 from hetplan.plan.format import RESOURCES, SCHEMA_VERSION, TIERS, WEIGHTS
-from hetplan.schema.fields import (Bytes, Count, Dim, Fingerprint, FlopRate, Fraction, LinkRate, MemRate,
-                                   Seconds, Strict, count, quantity)
+from hetplan.schema.fields import (MAX_NODES_MAX, TIME_LIMIT_MAX_S, Bytes, Count, Dim, Fingerprint, FlopRate,
+                                   Fraction, LinkRate, MemRate, Seconds, Strict, count, quantity)
 from hetplan.schema.config import RopeScaling
 from hetplan.schema.routing import Routing
 from hetplan.workload import OBJECTIVES
@@ -147,8 +147,8 @@ class Workload(Strict):
 
 
 class SolverOptions(Strict):
-    time_limit_s: Seconds | None = Field(None, description="--time-limit")
-    max_nodes: count(10**9) | None = Field(None, description="--max-nodes")
+    time_limit_s: quantity("s", TIME_LIMIT_MAX_S, low_open=True) | None = Field(None, description="--time-limit")
+    max_nodes: count(MAX_NODES_MAX, 1) | None = Field(None, description="--max-nodes")
     mip_rel_gap: quantity("fraction", 1.0) | None = Field(None, description="--mip-gap")
     depths: list[count(64, 1)] | None = Field(None, description="staging depths tried")
 
@@ -305,8 +305,8 @@ class CliArgs(Strict):
     kv_dtype: Dtype | None = Field(description="--kv-dtype")
     gpu_mem: Name | None = Field(description="--gpu-mem")
     cpu_mem: Name | None = Field(description="--cpu-mem")
-    time_limit_s: quantity("s", 1e7, low_open=True) = Field(description="--time-limit")
-    max_nodes: count(10**9, 1) = Field(description="--max-nodes")
+    time_limit_s: quantity("s", TIME_LIMIT_MAX_S, low_open=True) = Field(description="--time-limit")
+    max_nodes: count(MAX_NODES_MAX, 1) = Field(description="--max-nodes")
     mip_gap: quantity("fraction", 1.0) | None = Field(None, description="--mip-gap (absent: 1e-4)")
     stream_cold_experts: bool | None = Field(None, description="--stream-cold-experts")
     prefill_chunk: Dim | None = Field(None, description="--prefill-chunk")

@@ -243,6 +243,12 @@ CASES = [
      {"sub/keep.txt": "x"}, "directory"),
     ("timeline-is-fifo", ["show", "plan.json", "--timeline", "pipe.svg"], {"pipe.svg": "FIFO"}, "FIFO"),
     ("profile-out-is-dir", ["profile", "--out", "sub", "--budget", "5s"], {"sub/keep.txt": "x"}, "directory"),
+    ("time-limit-nan", COMPILE + ["--time-limit", "nan"], {}, "--time-limit"),
+    ("time-limit-absurd", COMPILE + ["--time-limit", "1e300"], {}, "--time-limit"),
+    ("max-nodes-absurd", COMPILE + ["--max-nodes", str(10**20)], {}, "--max-nodes"),
+    ("exec-infinite-temperature", ["exec", "plan.json", "--weights", "random", "--temperature", "inf"], {},
+     "--temperature"),
+    ("profile-absurd-budget", ["profile", "--budget", "100000000m"], {}, "--budget"),
 ]
 
 
