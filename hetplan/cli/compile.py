@@ -12,11 +12,11 @@ import json
 
 import click
 
-from hetplan.schema.fields import MAX_NODES_MAX, TIME_LIMIT_MAX_S
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.plan import write_atomic
 from hetplan.files import writable_target
+from hetplan.schema.fields import MAX_NODES_MAX, TIME_LIMIT_MAX_S
 from hetplan.units import format_bytes, format_percent, format_seconds
 
 _DTYPES = ", ".join(BITS_PER_ELEMENT)
