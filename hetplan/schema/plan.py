@@ -39,7 +39,8 @@ Objective = Literal[OBJECTIVES]
 # -- model ---------------------------------------------------------------------------------------
 
 class ModelExtra(Strict):
-    """Family-specific settings the runtime reads (deepseek routing, qwen3_moe normalisation)."""
+    """Family-specific settings the runtime reads (deepseek routing, qwen3_moe normalisation, the
+    source of an ONNX import)."""
     norm_topk_prob: bool | None = Field(None, description="renormalise the top-k routing weights")
     n_group: Count | None = Field(None, description="deepseek: expert groups")
     topk_group: Count | None = Field(None, description="deepseek: groups a token may choose")
@@ -47,6 +48,12 @@ class ModelExtra(Strict):
     topk_method: Name | None = Field(None, description="deepseek")
     scoring_func: Name | None = Field(None, description="deepseek: softmax or sigmoid")
     rope_interleave: bool | None = Field(None, description="deepseek")
+    source: Literal["onnx"] | None = Field(None, description="set for a model imported from an .onnx file")
+    onnx_path: Annotated[str, Field(max_length=4096)] | None = Field(None, description="the .onnx file")
+    onnx_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(None, description="its hash")
+    with_past: bool | None = Field(None, description="the export takes past key/values")
+    opset: count(1000, 1) | None = Field(None, description="the export's ONNX opset")
+    native_dtype: Dtype | None = Field(None, description="the dtype of the export's weights")
 
 
 class Model(Strict):
