@@ -30,8 +30,9 @@ Family = Literal[FAMILIES]
 Weights = Literal[WEIGHTS]
 Tier = Literal[TIERS]
 Resource = Literal[RESOURCES]
-TaskKind = Literal["embed", "attn_in", "attn_core", "attn_out", "mlp", "moe", "moe_route", "moe_experts",
+TaskKind = Literal["embed", "attn_in", "attn_core", "attn_out", "attn", "mlp", "moe", "moe_route", "moe_experts",
                    "moe_cold", "moe_merge", "head", "load", "act_up", "act_down", "kv_down"]
+"""Stage kinds (``attn``: an ONNX import's attention, one stage per block) and transfers."""
 BlockKind = Literal["embed", "attn", "mlp", "moe", "head"]
 Objective = Literal[OBJECTIVES]
 
