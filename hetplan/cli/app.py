@@ -101,7 +101,8 @@ _REPORT = ("please report it with the command line that triggered it (HETPLAN_TR
 
 def _main(argv=None) -> int:
     try:
-        with progress.reporting(lambda text: click.echo(f"hetplan: {text}", err=True)):
+        # progress lines say so, apart from the one line of an error (README "Exit codes")
+        with progress.reporting(lambda text: click.echo(f"hetplan: progress: {text}", err=True)):
             rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
     except HetplanError as e:
         click.echo(f"hetplan: error: {e}", err=True)

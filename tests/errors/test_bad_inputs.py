@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from tests.errors.workdir import CONFIG, MOE_CONFIG, NODE, populate, run, snapshot
+from tests.errors.workdir import CONFIG, MOE_CONFIG, NODE, error_lines, populate, run, snapshot
 
 
 def node(old: str, new: str) -> dict:
@@ -293,7 +293,7 @@ def test_a_mistake_is_one_line_exit_2_and_touches_nothing(name, argv, files, say
     before = snapshot(tmp_path)
     code, out, err = run(argv, capsys)
     assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
+    lines = error_lines(err)
     assert len(lines) == 1 and lines[0].startswith("hetplan: error: "), err
     assert "Traceback" not in err + out
     assert says in lines[0], lines[0]
