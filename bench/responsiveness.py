@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,12 +134,15 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="hetplan-responsiveness-"))
     rows = []
-    for s in scenarios(tmp):
-        if args.only and not s.name.startswith(args.only):
-            continue
-        r = run_one(s, args.wait, args.limit)
-        rows.append(r)
-        print(r, file=sys.stderr, flush=True)
+    try:
+        for s in scenarios(tmp):
+            if args.only and not s.name.startswith(args.only):
+                continue
+            r = run_one(s, args.wait, args.limit)
+            rows.append(r)
+            print(r, file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu}, {os.cpu_count()} CPUs, "
