@@ -152,6 +152,7 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
         return dec, info, time.perf_counter() - t0
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
                           stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp)
+    progress.activity("replaying the baselines (the plan is never worse than one that fits)")
     baseline = baselines.best_fitting(problem) if problem.has_gpu else (None, None, float("inf"))
     res = ilp.solve(problem, opts)
     if res.decision is not None and res.objective_s is None:

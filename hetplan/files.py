@@ -1,6 +1,7 @@
 """Every file hetplan reads as JSON and every file it writes goes through here.
 
-Reading: ``read_json`` says which file, where (line:column) and what to do.
+Reading: ``read_json`` (``read_text`` then ``parse_json``) says which file, where (line:column)
+and what to do.
 Writing: ``write_atomic`` is the one writer (plans, traces, timelines, routing statistics,
 profiles, node.yaml). It writes only regular files: a device, a directory, a FIFO or a socket at
 the target is refused, never replaced; a symlink is written *through* (its target is replaced
@@ -23,19 +24,31 @@ from hetplan.errors import HetplanError
 def read_json(path: str | Path, missing: str, fix: str = "") -> object:
     """Parse the JSON file at ``path``. ``missing`` completes "PATH: no such ..." when it does not
     exist; ``fix`` is appended to the message of a malformed file (e.g. "; re-run ...")."""
+    return parse_json(read_text(path, missing, "a JSON file", fix), path, fix)
+
+
+def read_text(path: str | Path, missing: str, expected: str, fix: str = "") -> str:
+    """The UTF-8 text of the file at ``path`` (``expected`` names what it should be, e.g. "a JSON
+    file", for a file that is not text)."""
     p = Path(path)
     if not p.is_file():
         raise HetplanError(f"{p}: no such {missing}")
     try:
-        return json.loads(p.read_bytes().decode("utf-8"))
+        return p.read_bytes().decode("utf-8")
     except OSError as e:
         raise HetplanError(f"{p}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
-        raise HetplanError(f"{p}: not a text file (it is not UTF-8); expected a JSON file{fix}") from None
+        raise HetplanError(f"{p}: not a text file (it is not UTF-8); expected {expected}{fix}") from None
+
+
+def parse_json(text: str, path: str | Path, fix: str = "") -> object:
+    """Parse JSON ``text`` read from ``path``; errors say where (line:column)."""
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise HetplanError(f"{p}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}{fix}") from None
+        raise HetplanError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}{fix}") from None
     except RecursionError:
-        raise HetplanError(f"{p}: JSON nested too deeply to be a hetplan file{fix}") from None
+        raise HetplanError(f"{path}: JSON nested too deeply to be a hetplan file{fix}") from None
 
 
 def writable_target(path: str | Path, option: str = "output") -> Path:

@@ -33,10 +33,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from hetplan.errors import HetplanError
-from hetplan.files import read_json
+from hetplan.files import parse_json, read_text
 from hetplan.model import ModelSpec
 from hetplan.plan import write_atomic
+from hetplan.schema.errors import schema_error
+from hetplan.schema.positions import json_line
+from hetplan.schema.routing import Routing
 
 SUM_TOLERANCE = 1e-3
 """How far a layer's fractions may sum from ``experts_per_token`` (relative to it): room for
@@ -105,42 +110,29 @@ def routing_of_plan(plan) -> RoutingStats | None:
 def load_routing(path: str | Path, spec: ModelSpec) -> RoutingStats:
     """Read and validate a routing-statistics file for ``spec`` (see the module docstring)."""
     p = Path(path)
-    doc = read_json(p, f"routing-statistics file (write one with `hetplan exec PLAN --record-routing {p.name}`)")
-    return stats_from_dict(doc, spec, source=str(p))
+    missing = f"routing-statistics file (write one with `hetplan exec PLAN --record-routing {p.name}`)"
+    text = read_text(p, missing, "a JSON file")
+    return stats_from_dict(parse_json(text, p), spec, source=str(p), text=text)
 
 
-def stats_from_dict(doc, spec: ModelSpec, source: str = "routing statistics") -> RoutingStats:
-    """Validate a parsed statistics document against ``spec`` and build RoutingStats."""
+def stats_from_dict(doc, spec: ModelSpec, source: str = "routing statistics", text: str | None = None) -> RoutingStats:
+    """Validate a parsed statistics document against the schema (``hetplan.schema.routing``) and
+    ``spec``, and build RoutingStats; ``text`` (the file's JSON) gives errors their line."""
     if not isinstance(doc, dict):
         raise HetplanError(f"{source}: expected a JSON object with keys 'model_fingerprint' and "
-                           f"'layers'")
-    unknown = set(doc) - {"model_fingerprint", "layers", "tokens"}
-    if unknown:
-        raise HetplanError(f"{source}: unknown keys {sorted(unknown)}; expected "
-                           f"'model_fingerprint', 'layers' and optionally 'tokens'")
-    for key in ("model_fingerprint", "layers"):
-        if key not in doc:
-            raise HetplanError(f"{source}: missing key {key!r}")
-    fp = doc["model_fingerprint"]
-    if not isinstance(fp, str):
-        raise HetplanError(f"{source}: 'model_fingerprint' must be a string, got {fp!r}")
-    tokens = doc.get("tokens")
-    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
-        raise HetplanError(f"{source}: 'tokens' must be a positive integer, got {tokens!r}")
-    if not isinstance(doc["layers"], dict):
-        raise HetplanError(f"{source}: 'layers' must be an object mapping layer index to a list "
-                           f"of per-expert fractions")
-    layers = {}
-    for key, fractions in doc["layers"].items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise HetplanError(f"{source}: layers: key {key!r} is not a layer index")
-        if not isinstance(fractions, list) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in fractions):
-            raise HetplanError(f"{source}: layers.{key}: expected a list of numbers")
-        layers[int(key)] = tuple(float(x) for x in fractions)
-    stats = RoutingStats(fp, layers, tokens)
+                           f"'layers', got {type(doc).__name__}")
+    try:
+        valid = Routing.model_validate(doc)
+    except ValidationError as e:
+        raise schema_error(e, Routing, source, text, line_of=json_line,
+                           fix=RECORD_FIX) from None
+    stats = RoutingStats(valid.model_fingerprint, {int(k): tuple(v) for k, v in valid.layers.items()},
+                         valid.tokens)
     check_stats(stats, spec, source)
     return stats
+
+
+RECORD_FIX = "; record statistics with `hetplan exec PLAN --record-routing FILE`"
 
 
 def check_stats(stats: RoutingStats, spec: ModelSpec, source: str) -> None:

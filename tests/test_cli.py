@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.errors.workdir import error_lines
+
 SMALL = ["llama-3.1-8b", "--hw", "rtx4090-64g"]
 BASELINE_NAMES = ("all-gpu", "greedy", "ngl:", "ngl-nkvo:", "stream")
 
@@ -27,7 +29,7 @@ def user_error(*args, cwd=None) -> str:
     """Run a command that must fail with a one-line user error; return that line."""
     proc = hetplan(*args, cwd=cwd)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
+    lines = error_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("hetplan: error: "), proc.stderr
     return lines[0]
 

@@ -70,7 +70,7 @@ def _cross_checked(problem):
 def test_count_milp_equals_the_per_block_milp(n_layers, workload, gpu_fraction, objective):
     problem = _problem(n_layers, gpu_fraction, workload, objective)
     counted = _cross_checked(problem)
-    plan = make_plan(problem, counted.decision, {"strategy": "ilp"})
+    plan = make_plan(problem, counted.decision, {"strategy": "ilp", "status": "optimal"})
     assert fits(plan)
     sim = check_plan(plan)
     stated = {"ttft": plan.predicted["ttft_s"], "tpot": plan.predicted["tpot_s"],
@@ -163,7 +163,7 @@ def test_moe_layers_are_counted_with_their_expert_split(workload, gpu_fraction):
     problem = build_problem(spec, hw, wl)
     assert layered(problem) is not None
     counted = _cross_checked(problem)
-    plan = make_plan(problem, counted.decision, {"strategy": "ilp"})
+    plan = make_plan(problem, counted.decision, {"strategy": "ilp", "status": "optimal"})
     assert fits(plan)
     assert plan.predicted["latency_s"] == pytest.approx(counted.objective_s, rel=1e-9)
     check_plan(plan)

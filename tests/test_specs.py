@@ -211,7 +211,7 @@ def test_heads_that_do_not_divide_are_refused_with_the_file():
 
 
 def test_non_positive_model_dimension_is_refused():
-    with pytest.raises(HetplanError, match=r"must be a positive integer, got 0"):
+    with pytest.raises(HetplanError, match=r"'num_hidden_layers' must be an integer in 1 \.\. 16777216, got 0"):
         spec_from_config(dict(LLAMA, num_hidden_layers=0), source="my/config.json")
 
 

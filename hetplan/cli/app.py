@@ -71,7 +71,14 @@ def require_torch(command: str) -> None:
 def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning(warnings.showwarning)
-        return _main(argv)
+        rc = _main(argv)
+    if rc == EXIT_INTERRUPTED and argv is None:
+        # The console command, interrupted: nothing is left to write, and freeing a large solver
+        # model on the way out would take seconds; leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def _one_line_warning(show_other):
@@ -94,7 +101,8 @@ _REPORT = ("please report it with the command line that triggered it (HETPLAN_TR
 
 def _main(argv=None) -> int:
     try:
-        with progress.reporting(lambda text: click.echo(f"hetplan: {text}", err=True)):
+        # progress lines say so, apart from the one line of an error (README "Exit codes")
+        with progress.reporting(lambda text: click.echo(f"hetplan: progress: {text}", err=True)):
             rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
     except HetplanError as e:
         click.echo(f"hetplan: error: {e}", err=True)

@@ -16,6 +16,7 @@ from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.plan import write_atomic
 from hetplan.files import writable_target
+from hetplan.schema.fields import MAX_NODES_MAX, TIME_LIMIT_MAX_S
 from hetplan.units import format_bytes, format_percent, format_seconds
 
 _DTYPES = ", ".join(BITS_PER_ELEMENT)
@@ -98,10 +99,12 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
 
     MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
     one, or an .onnx file."""
-    if time_limit_s <= 0:
-        raise click.BadParameter("must be a positive number of seconds", param_hint="--time-limit")
-    if max_nodes <= 0:
-        raise click.BadParameter("must be a positive number of nodes", param_hint="--max-nodes")
+    if not 0 < time_limit_s <= TIME_LIMIT_MAX_S:  # also refuses nan
+        raise click.BadParameter(f"must be a positive number of seconds, at most {TIME_LIMIT_MAX_S:g} "
+                                 f"(about 4 months)", param_hint="--time-limit")
+    if not 0 < max_nodes <= MAX_NODES_MAX:
+        raise click.BadParameter(f"must be a positive number of nodes, at most {MAX_NODES_MAX:g}",
+                                 param_hint="--max-nodes")
     if not 0 <= mip_gap < 1:
         raise click.BadParameter("must be a relative gap in [0, 1), e.g. 1e-4", param_hint="--mip-gap")
     if prefill_chunk is not None and prefill_chunk <= 0:

@@ -11,6 +11,7 @@ from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
 from hetplan.files import writable_target
 from hetplan.plan import load_plan, write_atomic
+from hetplan.progress import activity, cancellable, step
 from hetplan.units import format_bytes, format_seconds
 
 
@@ -32,6 +33,7 @@ class _Progress:
         label = {"loading": "loading weights", "prefill": "prefill", "decode": "decode"}[stage]
         unit = {"loading": " blocks", "prefill": " layers", "decode": " tokens"}[stage]
         line = f"{label} {done}/{total}{unit}"
+        activity(line)  # what the heartbeat repeats while a layer or a token takes long
         if self.tty:
             click.echo(f"\r\033[K{line}", err=True, nl=False)
             if done == total:
@@ -64,19 +66,19 @@ class _Progress:
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
             emulate, routing_path, as_json):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
-    require_torch("exec")
     for option, target in (("--trace", trace_path), ("--record-routing", routing_path)):
         if target:
             writable_target(target, option)  # before the run, not after it
+    if greedy and temperature is not None:
+        raise HetplanError("--greedy and --temperature: give one of them")
+    if temperature is not None and not 0 < temperature < float("inf"):
+        raise HetplanError(f"--temperature {temperature}: must be a finite number > 0 (use --greedy for argmax)")
+    if gen_len is not None and gen_len < 1:
+        raise HetplanError(f"--gen-len {gen_len}: must be at least 1")
+    require_torch("exec")  # after the checks that need no torch, so a mistake is refused at once
     from hetplan.runtime.prompt import parse_prompt_ids
     from hetplan.runtime.session import RunOptions, choose_mode, run_plan
 
-    if greedy and temperature is not None:
-        raise HetplanError("--greedy and --temperature: give one of them")
-    if temperature is not None and temperature <= 0:
-        raise HetplanError(f"--temperature {temperature}: must be > 0 (use --greedy for argmax)")
-    if gen_len is not None and gen_len < 1:
-        raise HetplanError(f"--gen-len {gen_len}: must be at least 1")
     plan = load_plan(plan_path)
     if plan.model.extra.get("source") == "onnx" or model_path is not None:
         from hetplan.frontends.onnx.importer import with_onnx_file
@@ -94,7 +96,8 @@ def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, g
     note = None
     if emulate is None and choose_mode(plan, None) == "emulated":
         note = "no CUDA device: the plan's GPU is emulated on the CPU (--emulate)"
-    result = run_plan(plan, opts, progress=_Progress(note))
+    with step("running the plan (Ctrl-C stops)"), cancellable():
+        result = run_plan(plan, opts, progress=_Progress(note))
     if trace_path:
         write_atomic(trace_path, json.dumps(result.trace) + "\n", option="--trace")
     if routing_path:

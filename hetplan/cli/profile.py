@@ -15,9 +15,14 @@ from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
 from hetplan.files import writable_target
 from hetplan.plan import write_atomic
+from hetplan.progress import activity, cancellable, step
 from hetplan.units import format_seconds
 
 DEFAULT_BUDGET = "120s"
+
+
+BUDGET_MAX_S = 24 * 3600.0
+"""The longest --budget accepted: a day (a profile needs minutes)."""
 
 
 def parse_budget(text: str) -> float:
@@ -25,7 +30,11 @@ def parse_budget(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min)?\s*", str(text))
     if not m or float(m.group(1)) <= 0:
         raise HetplanError(f"--budget: cannot read {text!r} as a duration (write e.g. 120s or 2m)")
-    return float(m.group(1)) * (60.0 if m.group(2) in ("m", "min") else 1.0)
+    seconds = float(m.group(1)) * (60.0 if m.group(2) in ("m", "min") else 1.0)
+    if seconds > BUDGET_MAX_S:
+        raise HetplanError(f"--budget {text}: longer than {BUDGET_MAX_S / 3600:g} hours; a profile needs "
+                           f"minutes (the default is {DEFAULT_BUDGET})")
+    return seconds
 
 
 def node_dict(peaks: dict, machine: dict, profile_file: str) -> dict:
@@ -91,7 +100,9 @@ def measure(out: str, budget_s: float, models: tuple, progress=None, started: fl
     out_path = Path(out)
     prof_path = out_path.with_name(out_path.stem + ".profile.json")
     budget = Budget(budget_s, start=started if started is not None else time.perf_counter())
-    result = profile_machine(budget, specs, progress=progress)
+    with step(f"profiling for up to {budget_s:g} s (Ctrl-C stops; nothing is written until the end)",
+              long=True), cancellable():
+        result = profile_machine(budget, specs, progress=progress)
     missing = [k for k in _required(result.peaks) if k not in result.peaks]
     if missing:
         raise HetplanError(f"refusing to write {out}: --budget {budget_s:g}s was too short to measure "
@@ -134,8 +145,10 @@ def command(out, budget, models, trace, profile_path, plan_path):
     budget_s = parse_budget(budget)
 
     def progress(n):
-        return click.progressbar(length=n, label="profiling", file=sys.stderr, show_pos=True,
-                                 item_show_func=lambda s: s or "")
+        if sys.stderr.isatty():
+            return click.progressbar(length=n, label="profiling", file=sys.stderr, show_pos=True,
+                                     item_show_func=lambda s: s or "")
+        return _Steps(n)
 
     result, prof_path = measure(out, budget_s, models, progress=progress, started=started)
     info, p = result.table.info, result.peaks
@@ -151,6 +164,24 @@ def command(out, budget, models, trace, profile_path, plan_path):
     if load is not None and load >= 1.0:
         click.echo(f"note: the load average was {load:g} when profiling started: other work was using "
                    f"the CPUs, and the times measured include its interference", err=True)
+
+
+class _Steps:
+    """Progress of the measurements off a terminal: the step being measured becomes the activity
+    that ``hetplan.progress``'s heartbeat repeats (a line every 2 s at most, none for a quick run)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int, current_item: str | None = None) -> None:
+        self.done += n
+        activity(f"{self.done}/{self.total} {current_item or ''}".rstrip())
 
 
 def _fold(trace: str, profile_path: str | None, plan_path: str | None) -> None:

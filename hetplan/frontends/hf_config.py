@@ -1,78 +1,80 @@
 """Hugging Face ``config.json`` -> ModelSpec, for the families hetplan plans and runs.
 
-Knows the key names each family's config uses and nothing about costs or devices. A missing or
-malformed key is an error that names the key and the file.
+Knows the key names each family's config uses and nothing about costs or devices. Every key it
+reads is first checked against ``hetplan.schema.config`` (types, ranges, typos of read keys);
+a key a family needs and the file lacks is an error that names the key and the file.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from hetplan.errors import HetplanError
-from hetplan.files import read_json
+from hetplan.files import parse_json, read_text
 from hetplan.model import FAMILIES, ModelSpec
+from hetplan.schema.config import HfConfig, near_miss, typo_message
+from hetplan.schema.errors import schema_error
+from hetplan.schema.positions import json_line
 
 _ALIASES = {"mistral": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "opt": "opt",
             "gpt2": "gpt2", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
             "deepseek_v2": "deepseek_v3", "deepseek_r1": "deepseek_v3"}
 
 
-MAX_DIM = 1 << 24
-"""Largest integer a config key may hold (16.7 M: above any layer count, width, vocabulary or
-context a model has had); beyond it a value is a typo, not a model."""
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 """The checkpoint dtypes ``torch_dtype`` may name (absent: fp16)."""
 
 
 def load_config_file(path: str | Path) -> dict:
     """Read a config.json (or a directory holding one) into a dict, with readable errors."""
+    return read_config(path)[0]
+
+
+def read_config(path: str | Path) -> tuple[dict, str, Path]:
+    """A config.json (or a directory holding one) -> (its dict, its text, the file's path)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    cfg = read_json(p, "file (expected a model preset name, a config.json, or a directory holding one)")
+    text = read_text(p, "file (expected a model preset name, a config.json, or a directory holding one)",
+                     "a config.json")
+    cfg = parse_json(text, p)
     if not isinstance(cfg, dict):
         raise HetplanError(f"{p}: expected a JSON object at the top level")
-    return cfg
+    return cfg, text, p
 
 
 def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.json",
-                     weight_dtype: str | None = None, kv_dtype: str | None = None) -> ModelSpec:
-    """Build a ModelSpec from a parsed HF config dict."""
+                     weight_dtype: str | None = None, kv_dtype: str | None = None,
+                     text: str | None = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed HF config dict (``text``, the file's JSON, gives errors
+    their line)."""
     if not isinstance(cfg, dict):
         raise HetplanError(f"{source}: expected a JSON object at the top level")
-    mt = cfg.get("model_type")
-    if mt is None:
-        raise HetplanError(f"{source}: missing key 'model_type'")
-    arch = _ALIASES.get(mt) if isinstance(mt, str) else None
+    typo = near_miss(cfg)
+    if typo:
+        line = json_line(text, (typo[0],)) if text is not None else None
+        raise HetplanError(f"{source}{f':{line}' if line else ''}: {typo_message(*typo)}")
+    try:
+        HfConfig.model_validate(cfg)
+    except ValidationError as e:
+        raise schema_error(e, HfConfig, source, text, line_of=json_line) from None
+    mt = cfg["model_type"]
+    arch = _ALIASES.get(mt)
     if arch is None:
         raise HetplanError(f"{source}: model_type {mt!r} is not supported; supported: "
                            f"{', '.join(sorted(_ALIASES))}")
 
-    def get(key, default=..., kind=int):
+    def get(key, default=...):
+        """``cfg[key]`` (its type and range checked by the schema), or ``default`` when absent."""
         if key not in cfg or cfg[key] is None:
             if default is ...:
                 raise HetplanError(f"{source}: missing key {key!r} (needed for model_type {mt!r})")
             return default
-        v = cfg[key]
-        if kind is int and not (isinstance(v, int) and not isinstance(v, bool)):
-            raise HetplanError(f"{source}: key {key!r} must be an integer, got {v!r}")
-        if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise HetplanError(f"{source}: key {key!r} must be a number, got {v!r}")
-        if kind is int:
-            low = 0 if default == 0 else 1  # keys that default to 0 (counts of optional parts) may be 0
-            if v < low:
-                what = "a positive integer" if low else "an integer >= 0"
-                raise HetplanError(f"{source}: key {key!r} must be {what}, got {v!r}")
-            if v > MAX_DIM:
-                raise HetplanError(f"{source}: key {key!r} is {v}, above {MAX_DIM} (larger than any model "
-                                   f"has); check the value")
-        if kind is float and not 0 < v < float("inf"):
-            raise HetplanError(f"{source}: key {key!r} must be a positive finite number, got {v!r}")
-        return v
+        return cfg[key]
 
     name = name or cfg.get("_name_or_path") or mt
-    if not isinstance(name, str) or not isinstance(mt, str):
-        raise HetplanError(f"{source}: model_type and _name_or_path must be strings")
     native = _dtype_name(cfg.get("torch_dtype") or cfg.get("dtype"), source)
     # the KV cache keeps the checkpoint's dtype when only the weights are requantised
     kw = dict(name=name, arch=arch, weight_dtype=weight_dtype or native, kv_dtype=kv_dtype or native)
@@ -117,13 +119,13 @@ def _llama_like(get, cfg, arch) -> dict:
               n_heads=heads, n_kv_heads=get("num_key_value_heads", heads),
               head_dim=get("head_dim", hidden // heads), vocab=get("vocab_size"),
               max_positions=get("max_position_embeddings", 4096),
-              tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-              norm="rmsnorm", norm_eps=float(get("rms_norm_eps", 1e-6, float)),
-              act=cfg.get("hidden_act", "silu"), gated_mlp=True, pos="rope",
+              tie_embeddings=bool(get("tie_word_embeddings", False)),
+              norm="rmsnorm", norm_eps=float(get("rms_norm_eps", 1e-6)),
+              act=get("hidden_act", "silu"), gated_mlp=True, pos="rope",
               rope_theta=theta, rope_scaling=scaling,
-              attn_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-              attn_out_bias=bool(cfg.get("attention_bias", False)),
-              mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=arch in ("qwen3", "qwen3_moe"))
+              attn_bias=bool(get("attention_bias", arch == "qwen2")),
+              attn_out_bias=bool(get("attention_bias", False)),
+              mlp_bias=bool(get("mlp_bias", False)), qk_norm=arch in ("qwen3", "qwen3_moe"))
     if arch == "mixtral":
         kw.update(n_experts=get("num_local_experts"), experts_per_token=get("num_experts_per_tok"),
                   moe_intermediate=get("intermediate_size"))
@@ -135,7 +137,7 @@ def _llama_like(get, cfg, arch) -> dict:
         n_experts = get("num_experts") if "num_experts" in cfg else get("num_local_experts")
         kw.update(n_experts=n_experts, experts_per_token=get("num_experts_per_tok"),
                   moe_intermediate=get("moe_intermediate_size"),
-                  extra={"norm_topk_prob": bool(cfg.get("norm_topk_prob", True))})
+                  extra={"norm_topk_prob": bool(get("norm_topk_prob", True))})
     elif arch == "deepseek_v3":
         nope, rope_d = get("qk_nope_head_dim"), get("qk_rope_head_dim")
         kw.update(n_kv_heads=heads, head_dim=nope + rope_d,
@@ -158,16 +160,16 @@ def _opt(get, cfg, arch) -> dict:
     if hidden % heads:
         raise HetplanError(f"num_attention_heads: {heads} does not divide hidden_size {hidden}")
     proj = get("word_embed_proj_dim", hidden)
-    if proj != hidden or not cfg.get("do_layer_norm_before", True):
+    if proj != hidden or not get("do_layer_norm_before", True):
         raise HetplanError("word_embed_proj_dim/do_layer_norm_before: only pre-norm OPT models with "
                            "word_embed_proj_dim == hidden_size (opt-125m, 1.3b and up) are supported")
     return dict(n_layers=get("num_hidden_layers"), hidden=hidden, intermediate=get("ffn_dim"),
                 n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads, vocab=get("vocab_size"),
                 max_positions=get("max_position_embeddings", 2048),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), norm="layernorm",
-                norm_eps=1e-5, act=cfg.get("activation_function", "relu"), gated_mlp=False,
-                pos="learned", attn_bias=bool(cfg.get("enable_bias", True)),
-                attn_out_bias=bool(cfg.get("enable_bias", True)), mlp_bias=bool(cfg.get("enable_bias", True)))
+                tie_embeddings=bool(get("tie_word_embeddings", True)), norm="layernorm",
+                norm_eps=1e-5, act=get("activation_function", "relu"), gated_mlp=False,
+                pos="learned", attn_bias=bool(get("enable_bias", True)),
+                attn_out_bias=bool(get("enable_bias", True)), mlp_bias=bool(get("enable_bias", True)))
 
 
 def _gpt2(get, cfg, arch) -> dict:
@@ -177,8 +179,8 @@ def _gpt2(get, cfg, arch) -> dict:
     return dict(n_layers=get("n_layer"), hidden=hidden, intermediate=get("n_inner", 4 * hidden),
                 n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads, vocab=get("vocab_size"),
                 max_positions=get("n_positions", 1024), tie_embeddings=True, norm="layernorm",
-                norm_eps=float(get("layer_norm_epsilon", 1e-5, float)),
-                act=cfg.get("activation_function", "gelu_new"), gated_mlp=False, pos="learned",
+                norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+                act=get("activation_function", "gelu_new"), gated_mlp=False, pos="learned",
                 attn_bias=True, attn_out_bias=True, mlp_bias=True)
 
 

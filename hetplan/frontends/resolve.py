@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hetplan.errors import HetplanError
-from hetplan.frontends.hf_config import load_config_file, spec_from_config
+from hetplan.frontends.hf_config import read_config, spec_from_config
 from hetplan.model import ModelSpec
 from hetplan.presets.models import MODEL_PRESETS, model_preset
 
@@ -21,6 +21,7 @@ def load_model(source: str, weight_dtype: str | None = None, kv_dtype: str | Non
     if not p.exists():
         raise HetplanError(f"model {source!r}: not a preset and no such file; known presets: "
                            f"{', '.join(sorted(MODEL_PRESETS))}")
-    cfg = load_config_file(p)
+    cfg, text, file = read_config(p)
     name = cfg.get("_name_or_path") or (p.name if p.is_dir() else p.parent.name) or "model"
-    return spec_from_config(cfg, name=name, source=str(p), weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    return spec_from_config(cfg, name=name if isinstance(name, str) else None, source=str(file),
+                            weight_dtype=weight_dtype, kv_dtype=kv_dtype, text=text)

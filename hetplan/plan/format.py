@@ -153,9 +153,10 @@ class Plan:
         return json.dumps(d, sort_keys=True, indent=1) + "\n"
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "plan.json", verify: bool = True) -> "Plan":
-        """Parse a plan. ``verify`` refuses a plan whose content no longer matches the digest it
-        was written with (edited by hand); ``hetplan check`` reads goldens without it."""
+    def from_dict(cls, d: dict, source: str = "plan.json", verify: bool = True, text: str | None = None) -> "Plan":
+        """Parse a plan, validated against ``hetplan.schema.plan`` (``text``, the file's JSON, gives
+        errors their line). ``verify`` refuses a plan whose content no longer matches the digest
+        it was written with (edited by hand); ``hetplan check`` reads goldens without it."""
         if not isinstance(d, dict) or "schema_version" not in d:
             raise HetplanError(f"{source}: not a hetplan plan (no schema_version)")
         v = d["schema_version"]
@@ -165,6 +166,7 @@ class Plan:
         if verify and "digest" in d and d["digest"] != content_digest(d):
             raise HetplanError(f"{source}: the plan was edited after it was compiled (content fingerprint "
                                f"mismatch); recompile it with `hetplan compile` (or `hetplan check --update`)")
+        _validate(d, source, text)
         try:
             sched = {ph: PhaseSchedule(tuple(Task(**t) for t in s["tasks"]),
                                        tuple(tuple(e) for e in s["edges"]))
@@ -186,7 +188,24 @@ class Plan:
         except json.JSONDecodeError as e:
             raise HetplanError(f"{source}:{e.lineno}:{e.colno}: malformed JSON ({e.msg}); the plan "
                                f"may be truncated: recompile it") from None
-        return cls.from_dict(d, source, verify)
+        return cls.from_dict(d, source, verify, text=text)
+
+
+def _validate(d: dict, source: str, text: str | None) -> None:
+    """Refuse a plan that breaks the schema, in one line naming the file, line and key."""
+    from pydantic import ValidationError
+
+    from hetplan.schema.errors import schema_error
+    from hetplan.schema.plan import PlanFile
+    from hetplan.schema.positions import json_line
+
+    try:
+        PlanFile.model_validate(d)
+    except ValidationError as e:
+        raise schema_error(e, PlanFile, source, text, line_of=json_line,
+                           fix="; recompile it with `hetplan compile`") from None
+    except RecursionError:
+        raise HetplanError(f"{source}: nested too deeply to be a plan; recompile it with `hetplan compile`") from None
 
 
 def content_digest(d: dict) -> str:
@@ -196,11 +215,8 @@ def content_digest(d: dict) -> str:
 
 
 def load_plan(path: str | Path, verify: bool = True) -> Plan:
+    from hetplan.files import read_text
+
     p = Path(path)
-    if not p.is_file():
-        raise HetplanError(f"{p}: no such plan file")
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise HetplanError(f"{p}: cannot read the plan ({e})") from None
+    text = read_text(p, "plan file", "a plan.json written by `hetplan compile`")
     return Plan.from_json(text, source=str(p), verify=verify)

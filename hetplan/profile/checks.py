@@ -85,7 +85,7 @@ def peak_problems(peaks: dict, machine: dict) -> list[str]:
 def profile_problems(table) -> list[str]:
     """Problems with every value of a ProfileTable (its points, transfers and recorded peaks)."""
     lim = physical_limits(table.machine)
-    out = peak_problems(table.info.get("peaks", {}), table.machine)
+    out = peak_problems(table.info.get("peaks") or {}, table.machine)
     for e in table.entries.values():
         where = f"entry ({e.device}, {e.op}, {e.dtype}, {e.shape})"
         flops_cap = lim.get(f"cpu.flops.{e.dtype}", lim["cpu.flops.fp32"]) if e.device == "cpu" else lim["gpu.flops"]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from hetplan.cost import Work
 from hetplan.errors import HetplanError
-from hetplan.files import read_json
+from hetplan.files import parse_json, read_text
 from hetplan.model import ModelSpec
 
 SCHEMA_VERSION = 1
@@ -208,13 +208,16 @@ class ProfileTable:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "node.profile.json") -> "ProfileTable":
+    def from_dict(cls, d: dict, source: str = "node.profile.json", text: str | None = None) -> "ProfileTable":
+        """Parse a profile, validated against ``hetplan.schema.profile`` (``text``, the file's
+        JSON, gives errors their line)."""
         if not isinstance(d, dict) or d.get("schema_version") is None:
             raise HetplanError(f"{source}: not a hetplan profile (no schema_version); "
                                f"write one with `hetplan profile`")
         if d["schema_version"] != SCHEMA_VERSION:
             raise HetplanError(f"{source}: schema_version {d['schema_version']!r} is not the one this "
                                f"hetplan reads ({SCHEMA_VERSION}); re-run `hetplan profile`")
+        _validate(d, source, text)
         try:
             entries = {}
             for i, e in enumerate(d.get("entries", [])):
@@ -238,9 +241,10 @@ def load_profile(path: str | Path, check_machine: bool = True) -> ProfileTable:
     from hetplan.profile.checks import current_machine, machine_differences, profile_problems
 
     p = Path(path)
-    raw = read_json(p, "profile (the node.yaml's 'profile:' key points here); write it with "
-                       "`hetplan profile --out NODE.yaml` or remove the key", fix="; re-run `hetplan profile`")
-    table = ProfileTable.from_dict(raw, source=str(p))
+    fix = "; re-run `hetplan profile`"
+    text = read_text(p, "profile (the node.yaml's 'profile:' key points here); write it with "
+                        "`hetplan profile --out NODE.yaml` or remove the key", "a JSON file", fix)
+    table = ProfileTable.from_dict(parse_json(text, p, fix), source=str(p), text=text)
     problems = profile_problems(table)
     if problems:
         raise HetplanError(f"{p}: impossible values: " + "; ".join(problems) + "; re-run `hetplan profile`")
@@ -251,6 +255,21 @@ def load_profile(path: str | Path, check_machine: bool = True) -> ProfileTable:
                 f"{p} was measured on another machine ({'; '.join(diffs)}): its times may not hold here"),
                 stacklevel=2)
     return table
+
+
+def _validate(d: dict, source: str, text: str | None) -> None:
+    """Refuse a profile that breaks the schema, in one line naming the file, line and key."""
+    from pydantic import ValidationError
+
+    from hetplan.schema.errors import schema_error
+    from hetplan.schema.positions import json_line
+    from hetplan.schema.profile import ProfileFile
+
+    try:
+        ProfileFile.model_validate(d)
+    except ValidationError as e:
+        raise schema_error(e, ProfileFile, source, text, line_of=json_line,
+                           fix="; re-run `hetplan profile`") from None
 
 
 def _scale(work: Work, entry: Entry, x: float) -> float:

@@ -1,10 +1,15 @@
 """Turning a schema violation into one line: file, line (where the format has lines), key, what
 is wrong and what is accepted.
 
-Knows pydantic's error records and YAML's node marks; knows nothing about any one file format.
+Knows pydantic's error records, YAML's node marks and JSON positions (``positions``); knows
+nothing about any one file format.
 """
 
 from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Callable
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -50,29 +55,70 @@ def yaml_line(text: str, loc: tuple) -> int | None:
 
 
 def _model_at(root: type, loc: tuple) -> type | None:
+    """The model at ``loc`` below ``root``, stepping over list indices and the keys of mappings
+    whose values are models (``layers["3"]``)."""
     from hetplan.schema.node import submodel
 
-    model = root
+    model, key_next = root, False
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or key_next:
+            key_next = False
             continue
         nxt = submodel(model, part)
         if nxt is None:
             return None
+        key_next = _is_mapping(fields_of(model)[part].annotation)
         model = nxt
     return model
 
 
+def _field_at(root: type, loc: tuple):
+    """The field that holds ``loc``: the last named key of the path (an item of a list or of a
+    mapping is held by the list's or mapping's field, whose annotation carries the item's range)."""
+    for end in range(len(loc), 0, -1):
+        part = loc[end - 1]
+        parent = _model_at(root, loc[:end - 1])
+        if isinstance(part, str) and parent is not None and part in fields_of(parent):
+            return fields_of(parent)[part]
+    return None
+
+
+def _holds_int(annotation) -> bool:
+    """Whether ``annotation`` is (an optional, annotated) ``int``."""
+    if annotation is int:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _holds_int(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_holds_int(a) for a in typing.get_args(annotation) if a is not type(None))
+    return False
+
+
+def _is_mapping(annotation) -> bool:
+    """Whether ``annotation`` is (an optional) ``dict[..., ...]``."""
+    stack = [annotation]
+    while stack:
+        t = stack.pop()
+        if typing.get_origin(t) is dict:
+            return True
+        if typing.get_origin(t) in (typing.Union, types.UnionType, typing.Annotated):
+            stack.extend(typing.get_args(t))
+    return False
+
+
 def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: str | None = None,
-                 fix: str = "") -> HetplanError:
-    """One line for the first error of ``e`` (validating ``root``), with how many more there are."""
+                 fix: str = "", line_of: Callable[[str, tuple], int | None] = yaml_line) -> HetplanError:
+    """One line for the first error of ``e`` (validating ``root``), with how many more there are.
+    ``line_of(text, loc)`` finds the line of a key path in the file's text (``yaml_line``, or
+    ``positions.json_line`` for JSON files)."""
     # an unknown key first: a misspelt key also makes the intended one look missing
     errs = sorted(e.errors(include_url=False), key=lambda x: x["type"] != "extra_forbidden")
     first = errs[0]
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
     key = dotted(loc) or "(top level)"
     kind, msg = first["type"], first["msg"]
-    line = yaml_line(text, loc) if text is not None else None
+    line = line_of(text, loc) if text is not None else None
     where = f"{source}:{line}" if line else source
     more = f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
     if kind == "extra_forbidden":
@@ -85,19 +131,28 @@ def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: s
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         from hetplan.schema.node import range_of
 
-        parent = _model_at(root, loc[:-1])
-        field = fields_of(parent).get(loc[-1]) if parent and loc and isinstance(loc[-1], str) else None
-        bounds = range_of(field) if field is not None else msg.lower()
-        return HetplanError(f"{where}: '{key}' must be a number in {bounds}, got {first.get('input')!r}{fix}")
+        field = _field_at(root, loc)
+        bounds = (range_of(field) if field is not None else "") or msg[0].lower() + msg[1:]
+        what = "an integer" if field is not None and _holds_int(field.annotation) else "a number"
+        return HetplanError(f"{where}: '{key}' must be {what} in {bounds}, got {_short(first.get('input'))}{fix}")
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         model = _model_at(root, loc)
         keys = f" with keys {', '.join(fields_of(model))}" if model else ""
-        return HetplanError(f"{where}: {key}: expected a mapping{keys}, got {first.get('input')!r}{more}{fix}")
+        return HetplanError(f"{where}: {key}: expected a mapping{keys}, got {_short(first.get('input'))}{more}{fix}")
     if kind == "missing":
         # the key is not in the file, so there is no line to show
         return HetplanError(f"{source}: missing key '{key}'{fix}")
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    elif kind.endswith("_type"):
-        msg = f"{msg.lower()}, got {first.get('input')!r}"[:200]
+        if not loc:  # a check across keys: the message names them
+            return HetplanError(f"{where}: {msg}{more}{fix}")
+    elif kind.endswith("_type") or kind in ("literal_error", "string_pattern_mismatch", "too_short", "too_long",
+                                            "finite_number", "bool_parsing", "int_from_float"):
+        msg = f"{msg[0].lower()}{msg[1:]}, got {_short(first.get('input'))}"
     return HetplanError(f"{where}: {key}: {msg}{more}{fix}")
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to 60 characters (a whole subtree may be the offending input)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

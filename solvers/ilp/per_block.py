@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pulp
 
+from hetplan import progress
 from hetplan.buses import capacities
 from hetplan.errors import HetplanError
 from hetplan.graph import PHASES
@@ -378,6 +379,20 @@ def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
     return IlpResult(dec, status, gap_of(obj, bound), obj, bound, secs, *size)
 
 
+def _say_configuration(i: int, configs: list, results: list) -> None:
+    """The progress activity before configuration ``i``: which one, and the previous one's
+    status, incumbent and bound."""
+    depth, slot = configs[i]
+    what = f"MILP {i + 1} of {len(configs)} (staging depth {depth}" + (
+        f", slot {slot / 2**20:.0f} MiB)" if slot is not None else ")")
+    last = ""
+    if results:
+        r = results[-1]
+        inc = f"{r.objective_s * 1e3:.6g} ms" if r.decision is not None else "none"
+        last = f"; MILP {i} {r.status}, incumbent {inc}, bound {r.bound_s * 1e3:.6g} ms"
+    progress.activity(f"{what}{last}")
+
+
 def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     """Solve the MILP of every configuration (``configurations``: staging depths of
     ``opts.depths``, and for MoE models and models of identical layers slot sizes); return the
@@ -407,7 +422,8 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
         dual = {c: ch.lagrangian()[2] for c, ch in chains.items()}
         configs = sorted(configs, key=lambda c: (dual.get(c, float("-inf")), configs.index(c)))
     t_setup = time.perf_counter() - t_setup
-    for depth, slot in configs:
+    for i, (depth, slot) in enumerate(configs):
+        _say_configuration(i, configs, results)
         tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
         dump = f"{opts.dump_lp.removesuffix('.lp')}{tag}.lp" if opts.dump_lp else None
         found = [r.objective_s for r in results if r.decision is not None]

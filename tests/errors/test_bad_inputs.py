@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from tests.errors.workdir import CONFIG, MOE_CONFIG, NODE, populate, run, snapshot
+from tests.errors.workdir import CONFIG, MOE_CONFIG, NODE, error_lines, populate, run, snapshot
 
 
 def node(old: str, new: str) -> dict:
@@ -32,6 +32,38 @@ def plan_edit(edit) -> callable:
         edit(d)
         return {"bad_plan.json": json.dumps(d)}
     return make
+
+
+def plan_redigest(edit) -> callable:
+    """A plan edited by hand and given a matching digest: only the schema stands between it and
+    the commands (the digest check cannot catch it)."""
+    def make(plan: dict) -> dict:
+        from hetplan.plan.format import content_digest
+        d = json.loads(json.dumps(plan))
+        edit(d)
+        d["digest"] = content_digest(d)
+        return {"bad_plan.json": json.dumps(d, indent=1)}
+    return make
+
+
+def routing(edit) -> dict:
+    from hetplan.frontends.hf_config import spec_from_config
+    from hetplan.routing import routing_fingerprint
+    doc = {"model_fingerprint": routing_fingerprint(spec_from_config(MOE_CONFIG)), "tokens": 8,
+           "layers": {"0": [0.5, 0.5, 0.5, 0.5]}}
+    edit(doc)
+    return {"r.json": json.dumps(doc, indent=1)}
+
+
+PROFILE = {"schema_version": 1, "machine": {"cpu_model": "x", "cpu_count": 2, "memory_bytes": 8 << 30, "gpus": []},
+           "info": {}, "entries": [{"device": "cpu", "op": "mlp", "dtype": "fp32", "shape": "d64",
+                                    "points": [{"x": 1.0, "seconds": 1e-4}]}], "transfers": {}}
+
+
+def profile(edit) -> dict:
+    doc = json.loads(json.dumps(PROFILE))
+    edit(doc)
+    return {"bad.yaml": NODE + "profile: p.json\n", "p.json": json.dumps(doc, indent=1)}
 
 
 COMPILE_NODE = ["compile", "config.json", "--hw", "bad.yaml", "-o", "out.json"]
@@ -155,6 +187,68 @@ CASES = [
     ("profile-bad-budget", ["profile", "--budget", "forever"], {}, "budget"),
     ("profile-missing-trace", ["profile", "--from-trace", "no.json", "--profile", "p.json", "--plan", "plan.json"], {}, "no.json"),
     ("profile-out-missing-dir", ["profile", "--out", "no/dir/node.yaml", "--budget", "5s"], {}, "does not exist"),
+    # -- classes found re-walking the list ---------------------------------------------------
+    ("plan-unknown-deep-key", ["show", "bad_plan.json"],
+     plan_redigest(lambda d: d["schedule"]["decode"]["tasks"][0].update(colour=1)), "accepted: ['block'"),
+    ("plan-bad-tier", ["show", "bad_plan.json"], plan_redigest(lambda d: d["placement"][0].update(weights="disk")),
+     "placement[0].weights"),
+    ("plan-negative-bytes", ["show", "bad_plan.json"], plan_redigest(lambda d: d["memory"].update(gpu_bytes=-1.0)),
+     "memory.gpu_bytes"),
+    ("plan-absurd-seconds", ["show", "bad_plan.json"], plan_redigest(lambda d: d["predicted"].update(tpot_s=1e300)),
+     "predicted.tpot_s"),
+    ("plan-nan", ["show", "bad_plan.json"], plan_redigest(lambda d: d["predicted"].update(ttft_s=float("nan"))),
+     "predicted.ttft_s"),
+    ("plan-string-batch", ["exec", "bad_plan.json", "--weights", "random"],
+     plan_redigest(lambda d: d["workload"].update(batch="1")), "workload.batch"),
+    ("plan-edge-to-nowhere", ["exec", "bad_plan.json", "--weights", "random"],
+     plan_redigest(lambda d: d["schedule"]["prefill"]["edges"].append(["embed/embed", "x"])), "names a task"),
+    ("plan-unknown-resource", ["exec", "bad_plan.json", "--weights", "random"],
+     plan_redigest(lambda d: d["schedule"]["decode"]["tasks"][0].update(resource="tpu")), "resource"),
+    ("plan-row-dropped", ["show", "bad_plan.json"], plan_redigest(lambda d: d["placement"].pop(1)),
+     "placement does not list"),
+    ("plan-kv-on-mlp", ["show", "bad_plan.json"], plan_redigest(lambda d: d["placement"][2].update(kv="gpu")), "'kv'"),
+    ("plan-ends-before-start", ["show", "bad_plan.json"],
+     plan_redigest(lambda d: d["schedule"]["prefill"]["tasks"][0].update(start_s=5.0, end_s=1.0)), "before it starts"),
+    ("plan-hw-absurd-link", ["show", "bad_plan.json"],
+     plan_redigest(lambda d: d["hardware"].update(h2d_bytes_per_s=1e15)), "hardware.h2d_bytes_per_s"),
+    ("plan-cli-args-unknown", ["check", "bad_plan.json"],
+     plan_redigest(lambda d: d["inputs"]["cli_args"].update(colour=1)), "could not be checked"),
+    ("plan-non-utf8-exec", ["exec", "bad_plan.json", "--weights", "random"], {"bad_plan.json": b"{\xff}"}, "not UTF-8"),
+    ("plan-non-utf8-check", ["check", "bad_plan.json"], {"bad_plan.json": b"\xfe\xff"}, "could not be checked"),
+    ("routing-string-fraction", COMPILE_MOE + ["--routing", "r.json"],
+     routing(lambda d: d["layers"].update({"0": ["0.5"] * 4})), "layers.0[0]"),
+    ("routing-bad-layer-key", COMPILE_MOE + ["--routing", "r.json"],
+     routing(lambda d: d["layers"].update({"-1": [0.5] * 4})), "not a layer index"),
+    ("routing-bool-tokens", COMPILE_MOE + ["--routing", "r.json"], routing(lambda d: d.update(tokens=True)), "tokens"),
+    ("routing-short-fingerprint", COMPILE_MOE + ["--routing", "r.json"],
+     routing(lambda d: d.update(model_fingerprint="abc")), "model_fingerprint"),
+    ("routing-non-utf8", COMPILE_MOE + ["--routing", "r.json"], {"r.json": b"\xff\xfe{}"}, "not UTF-8"),
+    ("config-typo-of-read-key", COMPILE_CFG, config(num_hiden_layers=2), "did you mean 'num_hidden_layers'"),
+    ("config-string-bool", COMPILE_CFG, config(tie_word_embeddings="false"), "tie_word_embeddings"),
+    ("config-string-rope-theta", COMPILE_CFG, config(rope_theta="fast"), "rope_theta"),
+    ("config-rope-scaling-unknown", COMPILE_CFG, config(rope_scaling={"rope_type": "linear", "factr": 2}), "factr"),
+    ("config-list-act", COMPILE_CFG, config(hidden_act=["silu"]), "hidden_act"),
+    ("config-null-model-type", COMPILE_CFG, {"bad.json": json.dumps(dict(CONFIG, model_type=None))}, "model_type"),
+    ("profile-unknown-key", COMPILE_NODE, profile(lambda d: d["entries"][0].update(colour=1)), "colour"),
+    ("profile-bad-device", COMPILE_NODE, profile(lambda d: d["entries"][0].update(device="tpu")), "entries[0].device"),
+    ("profile-string-seconds", COMPILE_NODE, profile(lambda d: d["entries"][0]["points"][0].update(seconds="1ms")),
+     "seconds"),
+    ("profile-zero-seconds", COMPILE_NODE, profile(lambda d: d["entries"][0]["points"][0].update(seconds=0.0)),
+     "impossible values"),
+    ("profile-absurd-memory", COMPILE_NODE, profile(lambda d: d["machine"].update(memory_bytes=2**60)), "machine.memory_bytes"),
+    ("profile-non-utf8", COMPILE_NODE, {"bad.yaml": NODE + "profile: p.json\n", "p.json": b"\xff"}, "not UTF-8"),
+    ("output-symlink-to-dir", ["compile", "config.json", "--hw", "node.yaml", "-o", "link.json"],
+     {"sub/keep.txt": "x", "link.json": "SYMLINK:sub"}, "directory"),
+    ("record-routing-is-dir", ["exec", "plan.json", "--weights", "random", "--record-routing", "sub"],
+     {"sub/keep.txt": "x"}, "directory"),
+    ("timeline-is-fifo", ["show", "plan.json", "--timeline", "pipe.svg"], {"pipe.svg": "FIFO"}, "FIFO"),
+    ("profile-out-is-dir", ["profile", "--out", "sub", "--budget", "5s"], {"sub/keep.txt": "x"}, "directory"),
+    ("time-limit-nan", COMPILE + ["--time-limit", "nan"], {}, "--time-limit"),
+    ("time-limit-absurd", COMPILE + ["--time-limit", "1e300"], {}, "--time-limit"),
+    ("max-nodes-absurd", COMPILE + ["--max-nodes", str(10**20)], {}, "--max-nodes"),
+    ("exec-infinite-temperature", ["exec", "plan.json", "--weights", "random", "--temperature", "inf"], {},
+     "--temperature"),
+    ("profile-absurd-budget", ["profile", "--budget", "100000000m"], {}, "--budget"),
 ]
 
 
@@ -189,6 +283,8 @@ def test_a_mistake_is_one_line_exit_2_and_touches_nothing(name, argv, files, say
         p.parent.mkdir(parents=True, exist_ok=True)
         if content == "FIFO":
             os.mkfifo(p)
+        elif isinstance(content, str) and content.startswith("SYMLINK:"):
+            p.symlink_to(content[len("SYMLINK:"):])
         elif isinstance(content, bytes):
             p.write_bytes(content)
         else:
@@ -197,7 +293,7 @@ def test_a_mistake_is_one_line_exit_2_and_touches_nothing(name, argv, files, say
     before = snapshot(tmp_path)
     code, out, err = run(argv, capsys)
     assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
+    lines = error_lines(err)
     assert len(lines) == 1 and lines[0].startswith("hetplan: error: "), err
     assert "Traceback" not in err + out
     assert says in lines[0], lines[0]

@@ -80,7 +80,8 @@ def test_random_routing_statistics_are_stats_or_a_hetplan_error(data):
     from hetplan.routing import routing_fingerprint
     good = {"model_fingerprint": routing_fingerprint(spec), "tokens": 64,
             "layers": {"0": [0.5, 0.5, 0.5, 0.5], "1": [1.0, 0.25, 0.5, 0.25]}}
-    accepts_or_refuses(stats_from_dict, mutate(good, data), spec, source="fuzz.json")
+    text = json.dumps(mutate(good, data), indent=1)
+    accepts_or_refuses(stats_from_dict, json.loads(text), spec, source="fuzz.json", text=text)
 
 
 _PLAN = {}
@@ -103,4 +104,54 @@ def good_plan() -> dict:
 @given(st.data())
 def test_random_plan_json_is_a_plan_or_a_hetplan_error(data):
     doc = mutate(good_plan(), data)
-    accepts_or_refuses(Plan.from_dict, doc, "fuzz.json", verify=False)
+    text = json.dumps(doc, indent=1)  # through the text, so error lines are looked up too
+    plan = accepts_or_refuses(Plan.from_json, text, "fuzz.json", verify=False)
+    if plan is not None:  # what `hetplan show` does with a plan it accepted
+        from hetplan.plan.report import render_show
+        from hetplan.plan.timeline import plan_trace_events, render_svg
+        accepts_or_refuses(render_show, plan)
+        accepts_or_refuses(render_svg, plan)
+        accepts_or_refuses(plan_trace_events, plan)
+
+
+GOOD_PROFILE = {
+    "schema_version": 1,
+    "machine": {"cpu_model": "Fuzz CPU", "cpu_count": 2, "memory_bytes": 8 << 30, "gpus": [], "threads": 2},
+    "info": {"threads": 2, "torch": "2.13.0", "budget_s": 5.0, "elapsed_s": 4.2, "skipped": [],
+             "peaks": {"cpu.mem_bandwidth": 2e10, "cpu.flops.fp32": 1e11, "latency.cpu_task": 2e-6},
+             "task_overhead_s": {"cpu": 1e-6, "gpu": 0.0}, "load_average_before": 0.5, "models": ["tiny"]},
+    "entries": [{"device": "cpu", "op": "mlp", "dtype": "fp32", "shape": "d64_f128_silu_gated",
+                 "points": [{"x": 1.0, "seconds": 1e-4, "spread_s": 1e-6, "repeats": 5, "flops": 1e4,
+                             "bytes": 1e5, "source": "measured"},
+                            {"x": 8.0, "seconds": 2e-4, "spread_s": 1e-6, "repeats": 5, "flops": 8e4,
+                             "bytes": 1.1e5, "source": "measured"}]}],
+    "transfers": {},
+}
+
+
+def read_profile(text: str):
+    from hetplan.profile.checks import profile_problems
+    from hetplan.profile.table import ProfileTable
+    table = ProfileTable.from_dict(json.loads(text), "fuzz.profile.json", text=text)
+    profile_problems(table)
+    return table
+
+
+def test_the_good_profile_is_accepted():
+    read_profile(json.dumps(GOOD_PROFILE))
+
+
+@FUZZ
+@given(st.data())
+def test_random_node_profile_json_is_a_table_or_a_hetplan_error(data):
+    text = json.dumps(mutate(GOOD_PROFILE, data), indent=1)
+    accepts_or_refuses(read_profile, text)
+
+
+@FUZZ
+@given(st.data())
+def test_random_config_json_text_is_a_spec_or_a_hetplan_error(data):
+    """Through the text as ``load_model`` reads it, so line lookups run on every error."""
+    base = data.draw(st.sampled_from([CONFIG, MOE_CONFIG]))
+    text = json.dumps(mutate(base, data), indent=1)
+    accepts_or_refuses(spec_from_config, json.loads(text), source="fuzz.json", text=text)

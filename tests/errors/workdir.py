@@ -58,3 +58,9 @@ def run(argv, capsys) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def error_lines(stderr: str) -> list:
+    """stderr without its progress lines (``hetplan: progress: ...``, which a slow run prints before
+    an error as it does before a result)."""
+    return [ln for ln in stderr.strip().splitlines() if not ln.startswith("hetplan: progress: ")]

@@ -165,7 +165,7 @@ def _plan(model_dir: str, node: str, kv_dtype: str, where: str):
     problem = build_problem(spec, load_node(node), Workload(1, PROMPT_LEN, GEN_LEN))
     dec = baselines.all_gpu(problem)
     dec = dataclasses.replace(dec, kv={b.name: "cpu" for b in problem.blocks if b.kind == "attn"})
-    plan = make_plan(problem, dec, {"strategy": "test"})
+    plan = make_plan(problem, dec, {"strategy": "test", "status": "heuristic"})
     assert any(t.kind == "kv_down" for t in plan.schedule["prefill"].tasks)
     assert any(t.kind == "attn_core" and t.resource == "cpu" for t in plan.schedule["decode"].tasks)
     return plan

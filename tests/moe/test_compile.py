@@ -13,6 +13,7 @@ import pytest
 
 from hetplan.frontends.resolve import load_model
 from hetplan.routing import routing_fingerprint
+from tests.errors.workdir import error_lines
 
 CONFIG = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 2,
           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8000,
@@ -120,7 +121,7 @@ def test_moe_baselines_compile(files, tmp_path, strategy):
 def user_error(*args) -> str:
     proc = hetplan(*args)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
+    lines = error_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("hetplan: error: "), proc.stderr
     return lines[0]
 

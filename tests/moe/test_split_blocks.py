@@ -52,7 +52,7 @@ def _split_plan(model_dir: str, node_path: str, hot: int | None = None, routing=
     dec = baselines.all_gpu(problem)
     if hot is not None:
         dec = dataclasses.replace(dec, experts={b.name: hot for b in problem.blocks if b.kind == "moe"})
-    return make_plan(problem, dec, {"strategy": "test"})
+    return make_plan(problem, dec, {"strategy": "test", "status": "heuristic"})
 
 
 def _skewed(spec) -> RoutingStats:

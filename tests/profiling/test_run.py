@@ -75,3 +75,8 @@ def test_runtime_task_overhead_is_measured_or_reported_as_skipped(profiled):
         assert hw.latency_s["cpu_task"] == pytest.approx(overhead, rel=1e-3)
     else:
         assert any(s.startswith("runtime task overhead") for s in table.info["skipped"])
+
+
+def test_the_written_profile_passes_its_schema(profiled):
+    from hetplan.schema.profile import ProfileFile
+    ProfileFile.model_validate(json.loads((profiled / "node.profile.json").read_text()))
