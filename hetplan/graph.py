@@ -90,9 +90,10 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     o_params = spec.attn_out_dim * spec.hidden + (spec.hidden if spec.attn_out_bias else 0)
     # Lookup tables are never quantised: a quantised model keeps them in fp16.
     embed_wb = bytes_per_element("fp16") if spec.weight_dtype in QUANTISED else wb
-    blocks = [Block("embed", "embed", None, spec.embed_params() * embed_wb, streamable=False)]
+    embed_bytes = spec.block_bytes.get("embed", spec.embed_params() * embed_wb)
+    blocks = [Block("embed", "embed", None, float(embed_bytes), streamable=False)]
     for l in range(spec.n_layers):
-        blocks.append(Block(f"attn_{l}", "attn", l, spec.block_weight_bytes("attn"),
+        blocks.append(Block(f"attn_{l}", "attn", l, spec.block_weight_bytes("attn", l),
                             kv_bytes=wl.batch * wl.context_len * kv_tok, kv_bytes_per_token=kv_tok))
         mlp_kind = "moe" if spec.is_moe_layer(l) else "mlp"
         blocks.append(Block(f"{mlp_kind}_{l}", mlp_kind, l, spec.block_weight_bytes(mlp_kind, l)))
