@@ -1,7 +1,8 @@
 """ModelSpec: the shape of a decoder-only transformer, and nothing about where it runs.
 
 A spec is built from a Hugging Face ``config.json`` (``hetplan.frontends.hf_config``), a preset name
-(``hetplan.presets.models``) or an ONNX graph. Derived sizes (parameters per block, KV bytes per
+(``hetplan.presets.models``), an ONNX graph or a GGUF file (``hetplan.frontends.gguf``, whose
+mixed tensor types price each block: ``block_bytes``). Derived sizes (parameters per block, KV bytes per
 token) are properties, never stored. Index names: ``l`` is a layer.
 """
 

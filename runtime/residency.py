@@ -26,7 +26,9 @@ pages).
   plan's KV dtype (``runtime/kv_cache.py``).
 
 A plan with a quantised weight dtype (``hetplan.runtime.kernels.quant``) stores each block as bytes
-(``runtime/kernels/packed.py``); slots and loads move those bytes. A stage's weights are then a
+(``runtime/kernels/packed.py``); slots and loads move those bytes. A plan priced tensor by tensor
+from a GGUF file (``ModelSpec.block_bytes``) holds each linear in its own format, handed over
+packed by the file's source (``hetplan.runtime.gguf``) rather than quantised here. A stage's weights are then a
 ``PackedView`` whose linears are dequantised, when the stage looks them up, into a preallocated
 buffer of the compute dtype on the stage's tier: one per tier, as large as the largest block
 computing there needs, its routed experts counted as one (they take turns in one region). The

@@ -9,6 +9,7 @@ mapped pages, never a second full copy; ``close`` unmaps the files afterwards.
 ``RandomWeights`` makes the same tensors from a seed: every value depends on the seed and the
 tensor's checkpoint name only, never on where the plan puts it.
 
+A .gguf file is read by ``hetplan.runtime.gguf.source.GgufWeights`` (``weight_source`` picks it).
 Both are checked against the tensors a backend expects before anything is loaded; the first
 tensor that is missing or has the wrong shape or dtype is named. Knows nothing about plans or tiers.
 """

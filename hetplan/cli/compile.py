@@ -96,7 +96,7 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     """Plan MODEL on a machine and write the plan.
 
     MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
-    one, or an .onnx file."""
+    one, an .onnx file, or a .gguf file."""
     if time_limit_s <= 0:
         raise click.BadParameter("must be a positive number of seconds", param_hint="--time-limit")
     if max_nodes <= 0:

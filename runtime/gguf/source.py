@@ -34,6 +34,10 @@ class GgufWeights:
         self.directory = None
         self.header = read_header(self.path)
         self.spec = spec
+        if spec.is_mla:
+            raise HetplanError(f"--weights {self.path}: the runtime does not read deepseek2 GGUF tensors yet "
+                               f"(MLA's attn_kv_b / attn_k_b, attn_v_b); plans compile from the file, but to run "
+                               f"one compile it from the model's config.json and run it on its safetensors")
         check_shapes(self.header, spec)
         if spec.block_bytes:
             mine = price(self.header, spec, None)

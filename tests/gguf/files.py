@@ -72,15 +72,18 @@ def encode(values: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.
     return quantize(values, TYPES[kind]), TYPES[kind]
 
 
-def layer_tensors(arch: str, dims: Dims) -> dict:
-    """GGUF tensor name suffix -> Hugging Face-order shape of one layer's tensors."""
+def layer_tensors(arch: str, dims: Dims, moe: bool = False) -> dict:
+    """GGUF tensor name suffix -> Hugging Face-order shape of one layer's tensors (``moe``: a
+    llama layer with Mixtral-style routed experts)."""
     d, hd = dims.hidden, dims.head_dim
     out = {"attn_norm.weight": (d,), "attn_q.weight": (dims.heads * hd, d), "attn_k.weight": (dims.kv_heads * hd, d),
            "attn_v.weight": (dims.kv_heads * hd, d), "attn_output.weight": (d, dims.heads * hd),
            "ffn_norm.weight": (d,)}
-    if arch == "qwen3moe":
-        e, i = dims.experts, dims.expert_ffn
-        out.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,), "ffn_gate_inp.weight": (e, d),
+    if arch == "qwen3moe" or moe:
+        e, i = dims.experts, dims.expert_ffn if arch == "qwen3moe" else dims.ffn
+        if arch == "qwen3moe":
+            out.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+        out.update({"ffn_gate_inp.weight": (e, d),
                     "ffn_gate_exps.weight": (e, i, d), "ffn_up_exps.weight": (e, i, d),
                     "ffn_down_exps.weight": (e, d, i)})
     else:
@@ -89,7 +92,7 @@ def layer_tensors(arch: str, dims: Dims) -> dict:
 
 
 def write_model(path, arch: str = "llama", types: dict | None = None, dims: Dims = Dims(), seed: int = 0,
-                tied: bool = False, name: str = "tiny", shapes: dict | None = None) -> None:
+                tied: bool = False, name: str = "tiny", shapes: dict | None = None, moe: bool = False) -> None:
     """A random ``arch`` (llama or qwen3moe) model at ``path``; ``types``: GGUF tensor name or
     suffix (``attn_v.weight``, ``token_embd.weight``, ``blk.1.ffn_down.weight``) -> type name;
     ``shapes``: tensor name -> a shape written instead of the one the metadata implies."""
@@ -114,11 +117,14 @@ def write_model(path, arch: str = "llama", types: dict | None = None, dims: Dims
         w.add_expert_feed_forward_length(dims.expert_ffn)
     else:
         w.add_rope_dimension_count(dims.head_dim)
+    if moe:
+        w.add_expert_count(dims.experts)
+        w.add_expert_used_count(dims.experts_used)
     names = {"token_embd.weight": (dims.vocab, dims.hidden), "output_norm.weight": (dims.hidden,)}
     if not tied:
         names["output.weight"] = (dims.vocab, dims.hidden)
     for l in range(dims.layers):
-        names.update({f"blk.{l}.{k}": v for k, v in layer_tensors(arch, dims).items()})
+        names.update({f"blk.{l}.{k}": v for k, v in layer_tensors(arch, dims, moe).items()})
     names.update(shapes or {})
     for tname, shape in names.items():
         norm = len(shape) == 1
@@ -183,3 +189,63 @@ def write_header_only(path, dims: Dims, types: dict, rope_freqs: bool = True) ->
     with open(path, "r+b") as fh:
         fh.truncate(start + total)
     return start + total
+
+
+MLA = dict(q_lora=128, kv_lora=64, rope=32, nope=32, v=32, shared=1, dense=1)
+"""deepseek2's attention and expert dims for ``write_deepseek2`` (with ``Dims``)."""
+
+
+def write_deepseek2(path, dims: Dims = Dims(), types: dict | None = None, seed: int = 0) -> dict:
+    """A random deepseek2 (MLA, routed + shared experts, leading dense layers) file, with
+    llama.cpp's key names; returns the metadata written, as the ModelSpec fields it means."""
+    types, m = types or {}, MLA
+    rng = np.random.default_rng(seed)
+    a = "deepseek2"
+    w = GGUFWriter(str(path), a)
+    w.add_name("tiny-deepseek")
+    for key, value in {"block_count": dims.layers, "context_length": dims.context,
+                       "embedding_length": dims.hidden, "feed_forward_length": dims.ffn,
+                       "attention.head_count": dims.heads, "attention.head_count_kv": dims.heads,
+                       "attention.q_lora_rank": m["q_lora"], "attention.kv_lora_rank": m["kv_lora"],
+                       "attention.key_length": m["nope"] + m["rope"], "attention.value_length": m["v"],
+                       "rope.dimension_count": m["rope"], "expert_count": dims.experts,
+                       "expert_used_count": dims.experts_used, "expert_feed_forward_length": dims.expert_ffn,
+                       "expert_shared_count": m["shared"], "leading_dense_block_count": m["dense"],
+                       "expert_gating_func": 2, "vocab_size": dims.vocab}.items():
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_float32(f"{a}.expert_weights_scale", 2.5)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    d, h, e, i = dims.hidden, dims.heads, dims.experts, dims.expert_ffn
+    qk, r = m["nope"] + m["rope"], m["kv_lora"]
+    names = {"token_embd.weight": (dims.vocab, d), "output_norm.weight": (d,), "output.weight": (dims.vocab, d)}
+    for l in range(dims.layers):
+        layer = {"attn_norm.weight": (d,), "attn_q_a.weight": (m["q_lora"], d), "attn_q_a_norm.weight": (m["q_lora"],),
+                 "attn_q_b.weight": (h * qk, m["q_lora"]), "attn_kv_a_mqa.weight": (r + m["rope"], d),
+                 "attn_kv_a_norm.weight": (r,), "attn_kv_b.weight": (h * (m["nope"] + m["v"]), r),
+                 "attn_output.weight": (d, h * m["v"]), "ffn_norm.weight": (d,)}
+        if l < m["dense"]:
+            layer.update({"ffn_gate.weight": (dims.ffn, d), "ffn_up.weight": (dims.ffn, d),
+                          "ffn_down.weight": (d, dims.ffn)})
+        else:
+            s = m["shared"] * i
+            layer.update({"ffn_gate_inp.weight": (e, d), "exp_probs_b.bias": (e,), "ffn_gate_exps.weight": (e, i, d),
+                          "ffn_up_exps.weight": (e, i, d), "ffn_down_exps.weight": (e, d, i),
+                          "ffn_gate_shexp.weight": (s, d), "ffn_up_shexp.weight": (s, d), "ffn_down_shexp.weight": (d, s)})
+        names.update({f"blk.{l}.{k}": v for k, v in layer.items()})
+    for tname, shape in names.items():
+        values = rng.uniform(-0.05, 0.05, shape).astype(np.float32)
+        suffix = tname.split(".", 2)[2] if tname.startswith("blk.") else tname
+        kind = types.get(tname) or types.get(suffix) or ("F32" if len(shape) == 1 else "Q8_0")
+        data, qtype = encode(values, kind, rng)
+        w.add_tensor(tname, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dict(arch="deepseek_v3", n_layers=dims.layers, hidden=d, intermediate=dims.ffn, n_heads=h, n_kv_heads=h,
+                head_dim=qk, vocab=dims.vocab, n_experts=e, experts_per_token=dims.experts_used,
+                moe_intermediate=i, n_shared_experts=m["shared"], first_dense_layers=m["dense"],
+                q_lora_rank=m["q_lora"], kv_lora_rank=r, qk_rope_head_dim=m["rope"], qk_nope_head_dim=m["nope"],
+                v_head_dim=m["v"])

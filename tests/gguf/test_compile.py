@@ -17,7 +17,7 @@ from gguf import GGUFReader
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan
-from tests.gguf.files import Dims, llama31_8b_q4_k_m_types, write_header_only, write_model
+from tests.gguf.files import Dims, llama31_8b_q4_k_m_types, write_deepseek2, write_header_only, write_model
 from tests.tiny_models import TINY_GPU_NODE
 
 MIXED = {"token_embd.weight": "F16", "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_0", "attn_v.weight": "Q6_K",
@@ -32,7 +32,8 @@ HELD = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 156), "Q6_K": (32, 34)
 q4_k_m (fp32 dmin + 8 fp16 scales + 8 mins + 128 nibble bytes per 256), and q8_0 for Q6_K."""
 
 
-def block_of(name: str, layers: int, moe: bool) -> str | None:
+def block_of(name: str, layers: int, moe) -> str | None:
+    """llama.cpp name -> block; ``moe``: True (every layer routed), False, or the routed layers."""
     if name == "token_embd.weight":
         return "embed"
     if name.startswith("output"):
@@ -40,7 +41,8 @@ def block_of(name: str, layers: int, moe: bool) -> str | None:
     parts = name.split(".")
     if parts[0] != "blk":
         return None
-    kind = "attn" if parts[2].startswith("attn") else ("moe" if moe else "mlp")
+    routed = moe if isinstance(moe, bool) else int(parts[1]) in moe
+    kind = "attn" if parts[2].startswith("attn") else ("moe" if routed else "mlp")
     return f"{kind}_{parts[1]}"
 
 
@@ -149,3 +151,31 @@ def test_llama_3_1_8b_q4_k_m_layout_prices_the_files_bytes(tmp_path, node):
     held = held_bytes(path, 32, False)
     assert {k: v for k, v in spec.block_bytes.items()} == held
     assert spec.weight_dtype == "q4_k_m" and spec.extra["gguf"]["types"] == {"F32": 66, "Q4_K": 193, "Q6_K": 33}
+
+
+def test_deepseek2_maps_mla_and_shared_experts(tmp_path, node):
+    path = tmp_path / "ds.gguf"
+    dims = Dims(layers=3, hidden=256, ffn=512, heads=4, vocab=256, experts=4, experts_used=2, expert_ffn=64)
+    want = write_deepseek2(path, dims, {"ffn_down_exps.weight": "Q4_0", "attn_kv_b.weight": "F16"})
+    spec = load_model(str(path))
+    assert {k: getattr(spec, k) for k in want} == want
+    assert spec.extra["scoring_func"] == "sigmoid" and spec.extra["routed_scaling_factor"] == 2.5
+    assert spec.extra["norm_topk_prob"] is True
+    plan, _ = compile_plan(CompileRequest(model=str(path), hw=node, strategy="all-gpu", prompt_len=8, gen_len=4))
+    placed = {p["block"]: p["weight_bytes"] for p in plan.placement}
+    assert set(placed) == {"embed", "attn_0", "mlp_0", "attn_1", "moe_1", "attn_2", "moe_2", "head"}
+    assert placed == held_bytes(path, 3, {1, 2})
+    assert plan.model.extra["gguf"]["file_bytes"] == file_bytes(path, 3, {1, 2})
+    # one routed expert: gate and up [64, 256] in Q8_0 (34 B per 32), down [256, 64] in Q4_0 (18 B per 32)
+    assert spec.expert_bytes() == 2 * 64 * (256 // 32) * 34 + 256 * (64 // 32) * 18
+
+
+def test_llama_with_experts_is_mixtral(tmp_path, node):
+    path = tmp_path / "mx.gguf"
+    write_model(path, "llama", {"ffn_down_exps.weight": "Q6_K"}, moe=True)
+    spec = load_model(str(path))
+    assert (spec.arch, spec.n_experts, spec.experts_per_token, spec.moe_intermediate) == ("mixtral", 4, 2, 512)
+    plan, _ = compile_plan(CompileRequest(model=str(path), hw=node, strategy="all-gpu", prompt_len=8, gen_len=4))
+    assert {p["block"]: p["weight_bytes"] for p in plan.placement} == held_bytes(path, 2, True)
+    # one routed expert: gate and up [512, 256] in Q8_0, down [256, 512] in Q6_K (held as q8_0)
+    assert spec.expert_bytes() == 2 * 512 * (256 // 32) * 34 + 256 * (512 // 32) * 34

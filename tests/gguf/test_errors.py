@@ -89,3 +89,14 @@ def test_exec_with_another_file_than_compiled_is_refused(tmp_path, capsys, monke
     assert snapshot(tmp_path) == before
     code, _, err = run(["exec", "plan.json", "--weights", "random", "--prompt-ids", "1,2,3,4"], capsys)
     assert code == 2 and "run it with --weights set to that .gguf file" in err, err
+
+
+def test_exec_of_a_deepseek2_file_says_it_is_not_supported(tmp_path, capsys, monkeypatch):
+    from tests.gguf.files import Dims, write_deepseek2
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "node.yaml").write_text(NODE)
+    write_deepseek2(tmp_path / "ds.gguf", Dims(layers=2, hidden=256, heads=4, experts=4, expert_ffn=64))
+    assert run(["compile", "ds.gguf", "--hw", "node.yaml", "-o", "plan.json", "--prompt-len", "4",
+                "--gen-len", "2"], capsys)[0] == 0
+    code, _, err = run(["exec", "plan.json", "--weights", "ds.gguf", "--prompt-ids", "1,2,3,4"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "deepseek2" in err, err

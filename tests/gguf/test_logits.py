@@ -19,11 +19,12 @@ import pytest
 import torch
 import transformers
 from gguf import GGUFReader
+from gguf.quants import dequantize
 
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.runtime.session import RunOptions, run_plan
-from tests.gguf.files import write_model
-from tests.gguf.test_weights import oracle
+from tests.gguf.files import Dims, write_model
+from tests.gguf.test_weights import oracle, reverse_permute
 from tests.tiny_models import TINY_GPU_NODE
 
 PROMPT_LEN, GEN_LEN, REL_TOL = 8, 8, 1e-4
@@ -116,3 +117,46 @@ def test_converted_types_stay_within_the_derived_bound(tmp_path, node):
     diff = (got - z.detach()).abs()
     assert (diff <= 2 * bound + 1e-6 * z.abs().max()).all(), float((diff - 2 * bound).max())
     assert bound.max() > 0 and diff.max() > 0                        # the conversion did round
+
+
+def mixtral_from_file(path, dims: Dims):
+    """transformers' Mixtral with the file's weights: transformers reads no llama-MoE GGUF, so
+    the state dict is built here from ``gguf.quants.dequantize`` (q/k rows un-permuted as
+    llama.cpp's converter documents; experts stacked as transformers holds them)."""
+    config = transformers.MixtralConfig(hidden_size=dims.hidden, intermediate_size=dims.ffn,
+                                        num_hidden_layers=dims.layers, num_attention_heads=dims.heads,
+                                        num_key_value_heads=dims.kv_heads, head_dim=dims.head_dim,
+                                        vocab_size=dims.vocab, num_local_experts=dims.experts,
+                                        num_experts_per_tok=dims.experts_used, rms_norm_eps=1e-5,
+                                        rope_theta=10000.0, max_position_embeddings=dims.context)
+    model = transformers.MixtralForCausalLM(config).eval()
+    t = {x.name: dequantize(np.array(x.data), x.tensor_type).astype(np.float32) for x in GGUFReader(str(path)).tensors}
+    sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"],
+          "lm_head.weight": t["output.weight"]}
+    for l in range(dims.layers):
+        p, b = f"model.layers.{l}.", f"blk.{l}."
+        sd |= {p + "self_attn.q_proj.weight": reverse_permute(t[b + "attn_q.weight"], dims.heads),
+               p + "self_attn.k_proj.weight": reverse_permute(t[b + "attn_k.weight"], dims.kv_heads),
+               p + "self_attn.v_proj.weight": t[b + "attn_v.weight"],
+               p + "self_attn.o_proj.weight": t[b + "attn_output.weight"],
+               p + "mlp.gate.weight": t[b + "ffn_gate_inp.weight"],
+               p + "mlp.experts.gate_up_proj": np.concatenate([t[b + "ffn_gate_exps.weight"],
+                                                               t[b + "ffn_up_exps.weight"]], axis=1),
+               p + "mlp.experts.down_proj": t[b + "ffn_down_exps.weight"],
+               p + "input_layernorm.weight": t[b + "attn_norm.weight"],
+               p + "post_attention_layernorm.weight": t[b + "ffn_norm.weight"]}
+    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}, strict=True)
+    return model
+
+
+def test_llama_moe_file_matches_transformers_mixtral(tmp_path, node):
+    path = tmp_path / "mx.gguf"
+    dims = Dims(ffn=256)
+    write_model(path, "llama", EXACT, dims=dims, seed=13, moe=True)
+    model = mixtral_from_file(path, dims)
+    ids = torch.randint(0, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = model(ids).logits
+    plan, result = run(path, node, "all-gpu", ids)
+    assert plan.model.arch == "mixtral"
+    assert (result.logits[0] - ref).abs().max().item() <= REL_TOL * ref.abs().max().item()

@@ -42,7 +42,8 @@ HF = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "at
       "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
       "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
       "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-      "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}
+      "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+      "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
 """Hugging Face name (after ``model.layers.L.``) -> llama.cpp name (after ``blk.L.``)."""
 
 
@@ -52,9 +53,10 @@ def gguf_of(hf: str) -> tuple[str, int | None]:
     if hf in top:
         return top[hf], None
     _, _, l, rest = hf.split(".", 3)
-    if rest.startswith("mlp.experts."):
+    if ".experts." in rest:   # mlp.experts.E.gate_proj (qwen3moe), block_sparse_moe.experts.E.w1 (mixtral)
         _, _, e, part, _ = rest.split(".")
-        return f"blk.{l}.ffn_{part.removesuffix('_proj')}_exps.weight", int(e)
+        part = {"w1": "gate", "w3": "up", "w2": "down"}.get(part, part.removesuffix("_proj"))
+        return f"blk.{l}.ffn_{part}_exps.weight", int(e)
     return f"blk.{l}.{HF[rest]}", None
 
 
@@ -89,7 +91,7 @@ def oracle(reader: GGUFReader, hf: str, spec) -> tuple[np.ndarray, np.ndarray]:
         bound = bound + 2.0 ** -11 * np.abs(x) + 2.0 ** -25
     if expert is not None:
         x, bound = x[expert], bound[expert]
-    if spec.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+    if spec.arch in ("llama", "mixtral") and (".attn_q." in name or ".attn_k." in name):
         heads = spec.n_heads if ".attn_q." in name else spec.n_kv_heads
         x, bound = reverse_permute(x, heads), reverse_permute(bound, heads)
     return x, bound
@@ -114,17 +116,18 @@ def placed(path, node):
     return plan, backend, res
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "mixtral"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_held_tensor_matches_ggufs_dequantiser(tmp_path, node, arch, kind):
-    """Each linear in ``kind`` (the rest in Q8_0, the embedding in ``kind`` too); for qwen3moe
-    the routed experts are slices of the stacked ``ffn_*_exps`` tensors."""
+    """Each linear in ``kind`` (the rest in Q8_0, the embedding in ``kind`` too); for the MoE
+    families (mixtral: a llama file with ``expert_count``) the routed experts are slices of the
+    stacked ``ffn_*_exps`` tensors."""
     path = tmp_path / "m.gguf"
     linears = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
                "ffn_up.weight", "ffn_down.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
                "ffn_down_exps.weight", "output.weight", "token_embd.weight")
     types = {n: kind for n in linears} | {"blk.1.attn_v.weight": "Q8_0", "blk.0.ffn_down.weight": "Q4_0"}
-    write_model(path, arch, types, seed=3)
+    write_model(path, "llama" if arch == "mixtral" else arch, types, seed=3, moe=arch == "mixtral")
     plan, backend, res = placed(path, node)
     reader = GGUFReader(str(path))
     for p in plan.placement:

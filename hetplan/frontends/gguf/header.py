@@ -79,7 +79,7 @@ def read_header(path: str | Path) -> GgufHeader:
         raise HetplanError(f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a "
                            f"llama.cpp .gguf model, a config.json or a preset name")
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader, GGUFValueType
     except ImportError:
         raise HetplanError("reading .gguf files needs the gguf package: pip install 'hetplan[gguf]'") from None
     try:
@@ -107,10 +107,18 @@ def read_header(path: str | Path) -> GgufHeader:
         if key.startswith("GGUF.") or key.startswith("tokenizer.ggml."):
             continue
         try:
-            metadata[key] = field.contents()
+            metadata[key] = _shortest(field.contents()) if field.types[:1] == [GGUFValueType.FLOAT32] \
+                else field.contents()
         except (ValueError, IndexError, UnicodeDecodeError):
             raise HetplanError(f"{p}: metadata key {key!r} is malformed; the file is corrupt") from None
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise HetplanError(f"{p}: missing metadata key 'general.architecture'; not a model file")
     return GgufHeader(str(p), arch, metadata, tensors)
+
+
+def _shortest(v: float) -> float:
+    """A float32 value as the shortest decimal that reads back to it (1e-05, not
+    9.999999747378752e-06): what the converter was given, and what a plan keeps exactly."""
+    import numpy as np
+    return float(np.format_float_scientific(np.float32(v), unique=True))

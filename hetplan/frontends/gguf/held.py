@@ -101,6 +101,21 @@ def head_tie(h: GgufHeader, plan_float: str | None) -> int:
     return t.numel * RAW_BYTES if fmt is None else int(packed_bytes(fmt, t.shape[1], t.shape[0]))
 
 
+def describe(spec: ModelSpec) -> str:
+    """One line on what a GGUF-sourced plan holds: the file's types, and how they are held."""
+    g = spec.extra["gguf"]
+    types = ", ".join(f"{n} {t}" for t, n in sorted(g["types"].items(), key=lambda kv: -kv[1]))
+    file_total = sum(g["file_bytes"].values())
+    if not spec.block_bytes:
+        return (f"GGUF tensors ({types}) requantised to {spec.weight_dtype} at load, as --weight-dtype asked; "
+                f"priced from the shapes")
+    held = sum(v for k, v in spec.block_bytes.items() if k != "expert")
+    rule = ", ".join(f"{t} -> {FORMATS[t]}" for t in sorted(g["types"]) if t in FORMATS)
+    return (f"GGUF tensors ({types}) priced one by one as held ({rule or 'unquantised'}; norms fp32, "
+            f"embedding fp16): {held / 2**30:.3g} GiB held for {file_total / 2**30:.3g} GiB in the file; "
+            f"weight dtype {spec.weight_dtype} is the format holding most bytes")
+
+
 def directory_digest(h: GgufHeader) -> str:
     """sha256 (16 hex digits) of the tensor directory: every tensor's name, type and shape, so
     that a run can tell the file a plan was compiled from."""
