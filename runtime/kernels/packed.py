@@ -2,8 +2,9 @@
 
 With a quantised weight dtype (``hetplan.runtime.kernels.quant``) a block is one uint8 buffer (resident,
 in host memory, or in a staging slot): its linear weights packed in the plan's format (or each
-in its own, ``PackedLayout.formats``: a GGUF file's mixed types), each 16-byte aligned, then its other tensors in one run of ``raw_dtype`` (fp16 embedding tables;
-norms and biases in the compute dtype). ``PackedLayout`` says where each tensor lies, in those
+in its own, ``PackedLayout.formats``: a GGUF file's mixed types), each 16-byte aligned, then
+its other tensors in one run of ``raw_dtype`` (fp16 embedding tables; norms and biases in the
+compute dtype). ``PackedLayout`` says where each tensor lies, in those
 bytes and in the dequantisation buffer of the tier a stage computes on.
 
 A stage's weights are ``PackedView.materialise()``: a mapping that hands each linear to the
