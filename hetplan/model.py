@@ -265,8 +265,16 @@ class ModelSpec:
 
     # -- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = self._fields()
         d["fingerprint"] = self.fingerprint()
+        return d
+
+    def _fields(self) -> dict:
+        """Every field, but ``block_bytes`` only where a file priced the blocks (so that a spec
+        of any other source reads, and fingerprints, as it did before the field existed)."""
+        d = dataclasses.asdict(self)
+        if not d["block_bytes"]:
+            del d["block_bytes"]
         return d
 
     @classmethod
@@ -283,7 +291,7 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         """sha256 over every shape-determining field (16 hex digits)."""
-        d = rounded(dataclasses.asdict(self))
+        d = rounded(self._fields())
         d.pop("name")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

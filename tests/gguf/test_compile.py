@@ -179,3 +179,21 @@ def test_llama_with_experts_is_mixtral(tmp_path, node):
     assert {p["block"]: p["weight_bytes"] for p in plan.placement} == held_bytes(path, 2, True)
     # one routed expert: gate and up [512, 256] in Q8_0, down [256, 512] in Q6_K (held as q8_0)
     assert spec.expert_bytes() == 2 * 512 * (256 // 32) * 34 + 256 * (512 // 32) * 34
+
+
+def test_dense_stages_read_the_bytes_their_block_holds(tmp_path, node):
+    """Decode reads each dense block's held bytes once (plus the activations in and out, 2 x
+    hidden x 2 bytes per stage at batch 1): a Q6_K tensor held as q8_0 costs its q8_0 bytes."""
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", MIXED)
+    plan, _ = compile_plan(CompileRequest(model=str(path), hw=node, strategy="all-gpu", prompt_len=8, gen_len=4))
+    placed = {p["block"]: p["weight_bytes"] for p in plan.placement}
+    act = 2 * 256 * 2
+    read = Counter()
+    stages = Counter()
+    for t in plan.schedule["decode"].tasks:
+        if t.kind in ("attn_in", "attn_out", "mlp", "head"):
+            read[t.block] += t.bytes
+            stages[t.block] += 1
+    for block in ("attn_0", "attn_1", "mlp_0", "mlp_1", "head"):
+        assert read[block] == pytest.approx(placed[block] + stages[block] * act, rel=1e-9), block

@@ -31,7 +31,8 @@ from hetplan.runtime.backend import backend_for
 from hetplan.runtime.devices import Devices
 from hetplan.runtime.kernels.linear import PackedLinear
 from hetplan.runtime.residency import Residency
-from hetplan.runtime.weights import weight_source
+from hetplan.runtime.kernels import quant
+from hetplan.runtime.weights import torch_dtype, weight_source
 from tests.gguf.files import write_model
 from tests.tiny_models import TINY_GPU_NODE
 
@@ -108,10 +109,12 @@ def placed(path, node):
     plan, _ = compile_plan(CompileRequest(model=str(path), hw=node, strategy="all-gpu", prompt_len=8, gen_len=4))
     spec = plan.model
     backend = backend_for(spec)
-    backend.dtype = torch.float32
+    # as a run on the CPU: quantised weights compute in fp32, unquantised ones in their dtype
+    dtype = torch.float32 if quant.is_quantised(spec.weight_dtype) else torch_dtype(spec.weight_dtype, "--weight-dtype")
+    backend.dtype = dtype
     devices = Devices("emulated", plan.memory["gpu_budget_bytes"])
     source = weight_source(str(path), 0, spec)
-    res = Residency(plan, backend, source, devices, torch.float32, kv_cache.storage(spec.kv_dtype), 1,
+    res = Residency(plan, backend, source, devices, dtype, kv_cache.storage(spec.kv_dtype), 1,
                     plan.workload.context_len)
     return plan, backend, res
 
@@ -141,4 +144,27 @@ def test_every_held_tensor_matches_ggufs_dequantiser(tmp_path, node, arch, kind)
             err = np.abs(held - want)
             assert (err <= bound).all(), (t.checkpoint, float((err - bound).max()))
             if kind in ("Q8_0", "Q4_0", "F16", "BF16", "F32") and "embed_tokens" not in t.checkpoint:
+                assert np.array_equal(held, want), t.checkpoint
+
+
+def test_a_file_of_float_linears_is_a_float_plan(tmp_path, node):
+    """F16 linears and embedding, F32 norms: an fp16 plan, every tensor held in fp16 (the F16
+    ones exactly, the norms rounded: 2^-11 relative), each block numel x 2 bytes."""
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", {"token_embd.weight": "F16", **{n: "F16" for n in (
+        "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+        "ffn_up.weight", "ffn_down.weight", "output.weight")}}, seed=4)
+    plan, backend, res = placed(path, node)
+    assert plan.model.weight_dtype == "fp16"
+    reader = GGUFReader(str(path))
+    for p in plan.placement:
+        bw = res.blocks[p["block"]]
+        assert bw.flat.dtype == torch.float16
+        assert bw.flat.numel() * 2 == p["weight_bytes"]
+        for t in backend.block_tensors(p["block"], p["kind"], p["layer"]):
+            held = bw.tensors[t.local].float().numpy()
+            want, _ = oracle(reader, t.checkpoint, plan.model)
+            if len(t.shape) == 1:
+                assert (np.abs(held - want) <= 2.0 ** -11 * np.abs(want)).all(), t.checkpoint
+            else:
                 assert np.array_equal(held, want), t.checkpoint

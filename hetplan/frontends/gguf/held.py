@@ -17,8 +17,8 @@ A plan with any quantised linear is a quantised plan: its linears are held packe
 (each 16-byte aligned, ``hetplan.dtypes.packed_bytes``), its norms, biases and unquantised
 linears (a router kept in F32) at 4 bytes per value (the widest compute dtype), and its token
 embedding as an fp16 table (any file type, dequantised; |error| <= 2^-11 relative). A file
-whose every linear is F32/F16/BF16 is a float plan in the linears' widest type, every tensor
-held in it. The plan's ``weight_dtype`` is then the runtime format holding most of the linear
+whose every linear is F32/F16/BF16 is a float plan in the linears' type (fp32 where F16 and
+BF16 mix), every tensor held in it. The plan's ``weight_dtype`` is then the runtime format holding most of the linear
 bytes (``q4_k_m`` for a Q4_K_M file), and ``extra["gguf"]`` records the file's own bytes per
 block and its tensor types. Knows nothing about torch.
 """
@@ -75,7 +75,8 @@ def float_plan(h: GgufHeader) -> str | None:
     for t in h.tensors.values():
         runtime_format(t)  # every type is checked, also those of unplaced tensors
     if types and types <= set(FLOATS):
-        return max((FLOATS[x] for x in types), key=lambda d: (FLOAT_BYTES[d], d == "fp32"))
+        # one type: as it is; F16 beside BF16: fp32, which holds both exactly
+        return FLOATS[types.pop()] if len(types) == 1 else "fp32"
     return None
 
 
