@@ -106,6 +106,9 @@ def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
         req.notes.append(multi_gpu_note(hw))
     dtype = None if req.weight_dtype == "auto" else req.weight_dtype
     spec = load_model(req.model, dtype, req.kv_dtype)
+    if "gguf" in spec.extra:
+        from hetplan.frontends.gguf.held import describe
+        req.notes.append(describe(spec))
     return spec, hw
 
 

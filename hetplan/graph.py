@@ -90,13 +90,20 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
     o_params = spec.attn_out_dim * spec.hidden + (spec.hidden if spec.attn_out_bias else 0)
     # Lookup tables are never quantised: a quantised model keeps them in fp16.
     embed_wb = bytes_per_element("fp16") if spec.weight_dtype in QUANTISED else wb
-    blocks = [Block("embed", "embed", None, spec.embed_params() * embed_wb, streamable=False)]
+    embed_bytes = spec.block_bytes.get("embed", spec.embed_params() * embed_wb)
+    blocks = [Block("embed", "embed", None, float(embed_bytes), streamable=False)]
     for l in range(spec.n_layers):
-        blocks.append(Block(f"attn_{l}", "attn", l, spec.block_weight_bytes("attn"),
+        blocks.append(Block(f"attn_{l}", "attn", l, spec.block_weight_bytes("attn", l),
                             kv_bytes=wl.batch * wl.context_len * kv_tok, kv_bytes_per_token=kv_tok))
         mlp_kind = "moe" if spec.is_moe_layer(l) else "mlp"
         blocks.append(Block(f"{mlp_kind}_{l}", mlp_kind, l, spec.block_weight_bytes(mlp_kind, l)))
     blocks.append(Block("head", "head", None, spec.block_weight_bytes("head")))
+    rate = held_rates(spec, blocks)
+
+    def lin(t: int, params: float, op: str, block: str) -> Work:
+        """``cost.linear_work``, its weights read at the bytes per parameter ``block`` is held in."""
+        w = cost.linear_work(t, params, spec, op)
+        return w if block not in rate else dataclasses.replace(w, bytes=w.bytes + params * (rate[block] - wb))
 
     qkv_bytes = (spec.q_dim + spec.kv_elems_per_token()) * act
     stages = {}
@@ -115,24 +122,36 @@ def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
                 core = (cost.attention_prefill_work(wl.batch, wl.prompt_len, spec, wl.chunks()) if phase == "prefill"
                         else cost.attention_decode_work(wl.batch, wl.decode_context_len, spec))
                 chain += [
-                    Stage(b.name, "attn_in", per_chunk(lambda t: cost.linear_work(t, spec.attn_params() - o_params,
-                                                                                  spec, "attn_in")), hidden_in),
+                    Stage(b.name, "attn_in", per_chunk(lambda t, b=b: lin(t, spec.attn_params() - o_params, "attn_in",
+                                                                          b.name)), hidden_in),
                     Stage(b.name, "attn_core", core, tokens * qkv_bytes,
                           follows="kv" if phase == "decode" else "exec"),
-                    Stage(b.name, "attn_out", per_chunk(lambda t: cost.linear_work(t, o_params, spec, "attn_out")),
+                    Stage(b.name, "attn_out", per_chunk(lambda t, b=b: lin(t, o_params, "attn_out", b.name)),
                           tokens * spec.attn_out_dim * act),
                 ]
             elif b.kind == "moe":
                 fr = routing.expert_fractions(l, spec) if routing is not None else None
                 chain.append(Stage(b.name, "moe", per_chunk(lambda t, fr=fr: cost.moe_work(t, spec, fr)), hidden_in))
             else:
-                chain.append(Stage(b.name, "mlp", per_chunk(lambda t, l=l: cost.linear_work(t, spec.mlp_params(l), spec, "mlp")),
+                chain.append(Stage(b.name, "mlp", per_chunk(lambda t, l=l, b=b: lin(t, spec.mlp_params(l), "mlp", b.name)),
                                    hidden_in))
         # Only the last position of each sequence needs logits.
-        chain.append(Stage("head", "head", cost.linear_work(wl.batch, spec.head_params(), spec, "head"),
+        chain.append(Stage("head", "head", lin(wl.batch, spec.head_params(), "head", "head"),
                            wl.batch * spec.hidden * act))
         stages[phase] = tuple(chain)
     return BlockGraph(spec, wl, tuple(blocks), stages)
+
+
+def held_rates(spec: ModelSpec, blocks: list) -> dict:
+    """Bytes per parameter each dense block is held in when a file prices it tensor by tensor
+    (``ModelSpec.block_bytes``: a GGUF file's mixed types), so that its stages read the bytes
+    that are there: block bytes / block parameters, for attention, dense MLP and head blocks
+    (an MoE block's stages keep ``weight_bytes_per_param``). Empty for every other spec."""
+    if not spec.block_bytes:
+        return {}
+    params = {"attn": lambda b: spec.attn_params(), "mlp": lambda b: spec.mlp_params(b.layer),
+              "head": lambda b: spec.head_params()}
+    return {b.name: b.weight_bytes / params[b.kind](b) for b in blocks if b.kind in params}
 
 
 def chunked(make, pieces: list) -> Work:

@@ -1,7 +1,8 @@
 """ModelSpec: the shape of a decoder-only transformer, and nothing about where it runs.
 
 A spec is built from a Hugging Face ``config.json`` (``hetplan.frontends.hf_config``), a preset name
-(``hetplan.presets.models``) or an ONNX graph. Derived sizes (parameters per block, KV bytes per
+(``hetplan.presets.models``), an ONNX graph or a GGUF file (``hetplan.frontends.gguf``, whose
+mixed tensor types price each block: ``block_bytes``). Derived sizes (parameters per block, KV bytes per
 token) are properties, never stored. Index names: ``l`` is a layer.
 """
 
@@ -69,6 +70,10 @@ class ModelSpec:
     extra: dict = field(default_factory=dict)
     """Family-specific settings the runtime needs but costs do not (e.g. opt's
     ``word_embed_proj_dim``); part of the fingerprint."""
+    block_bytes: dict = field(default_factory=dict)
+    """Bytes each block's weights are held in, when a file prices its tensors one by one (a
+    GGUF file's mixed types: ``hetplan.frontends.gguf.held``): {block name: bytes, "expert":
+    the largest routed expert}. Empty: derived from the shapes and ``weight_dtype``."""
 
     def __post_init__(self):
         if self.arch not in FAMILIES:
@@ -192,7 +197,11 @@ class ModelSpec:
         """Bytes of a block's weights as the runtime holds them: params * bytes per element; in
         a quantised dtype each linear packed (``dtypes.packed_bytes``) and the norms and biases
         at fp32 (the widest compute dtype). deepseek_v3 MoE layers add the router's score
-        correction bias (E values, a buffer rather than a parameter)."""
+        correction bias (E values, a buffer rather than a parameter). A priced file's
+        ``block_bytes`` override all of this."""
+        name = kind if layer is None else f"{'moe' if kind in ('mlp', 'moe') and self.is_moe_layer(layer) else kind}_{layer}"
+        if name in self.block_bytes:
+            return float(self.block_bytes[name])
         params = {"attn": self.attn_params, "head": self.head_params}.get(kind)
         params = params() if params else self.mlp_params(layer)
         kind = "moe" if kind in ("mlp", "moe") and self.is_moe_layer(layer) else kind
@@ -205,6 +214,8 @@ class ModelSpec:
 
     def expert_bytes(self) -> float:
         """Bytes of one routed expert's weights as the runtime holds them."""
+        if "expert" in self.block_bytes:
+            return float(self.block_bytes["expert"])
         if self.weight_dtype not in QUANTISED:
             return self.expert_params() * self.weight_bytes_per_param
         return sum(packed_bytes(self.weight_dtype, r, c) for r, c in self.linear_shapes("moe")[-3:])
@@ -245,13 +256,25 @@ class ModelSpec:
         return sum(row_bytes(self.kv_dtype, n) for n in self.kv_rows())
 
     def with_dtypes(self, weight_dtype: str | None = None, kv_dtype: str | None = None) -> "ModelSpec":
-        return dataclasses.replace(self, weight_dtype=weight_dtype or self.weight_dtype,
-                                   kv_dtype=kv_dtype or self.kv_dtype)
+        """The spec in other dtypes; weights in another dtype than a priced file's are priced
+        from the shapes (``block_bytes`` dropped)."""
+        weight_dtype = weight_dtype or self.weight_dtype
+        blocks = self.block_bytes if weight_dtype == self.weight_dtype else {}
+        return dataclasses.replace(self, weight_dtype=weight_dtype, kv_dtype=kv_dtype or self.kv_dtype,
+                                   block_bytes=blocks)
 
     # -- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = self._fields()
         d["fingerprint"] = self.fingerprint()
+        return d
+
+    def _fields(self) -> dict:
+        """Every field, but ``block_bytes`` only where a file priced the blocks (so that a spec
+        of any other source reads, and fingerprints, as it did before the field existed)."""
+        d = dataclasses.asdict(self)
+        if not d["block_bytes"]:
+            del d["block_bytes"]
         return d
 
     @classmethod
@@ -268,7 +291,7 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         """sha256 over every shape-determining field (16 hex digits)."""
-        d = rounded(dataclasses.asdict(self))
+        d = rounded(self._fields())
         d.pop("name")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

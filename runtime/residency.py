@@ -26,7 +26,9 @@ pages).
   plan's KV dtype (``runtime/kv_cache.py``).
 
 A plan with a quantised weight dtype (``hetplan.runtime.kernels.quant``) stores each block as bytes
-(``runtime/kernels/packed.py``); slots and loads move those bytes. A stage's weights are then a
+(``runtime/kernels/packed.py``); slots and loads move those bytes. A plan priced tensor by tensor
+from a GGUF file (``ModelSpec.block_bytes``) holds each linear in its own format, handed over
+packed by the file's source (``hetplan.runtime.gguf``) rather than quantised here. A stage's weights are then a
 ``PackedView`` whose linears are dequantised, when the stage looks them up, into a preallocated
 buffer of the compute dtype on the stage's tier: one per tier, as large as the largest block
 computing there needs, its routed experts counted as one (they take turns in one region). The
@@ -154,6 +156,8 @@ class Residency:
         entries = list(plan.placement)
         specs = {p["block"]: backend.block_tensors(p["block"], p["kind"], p["layer"]) for p in entries}
         self.fmt = plan.model.weight_dtype if quant.is_quantised(plan.model.weight_dtype) else None
+        # a file priced tensor by tensor (GGUF) hands each linear over in its own format, packed
+        self.formats = held_formats(plan, source) if self.fmt else None
         for p in entries:  # check every tensor before placing any
             for t in specs[p["block"]]:
                 source.check(t, None if self.fmt else dtype, f"block {p['block']}")
@@ -220,7 +224,8 @@ class Residency:
                 cold_on = "stream" if tier == "gpu" else "gpu"      # exec of a phase computing them on ``tier``
                 used.append((main if any(p["exec"][ph] in computes for ph in PHASES) else [])
                             + (cold if any(p["exec"][ph] == cold_on for ph in PHASES) else []))
-            count = max((packed_layout(self.fmt, specs, dtype, self.expert_of).buffer_numel for specs in used),
+            count = max((packed_layout(self.fmt, specs, dtype, self.expert_of, self.formats).buffer_numel
+                         for specs in used),
                         default=0)
             if any(used):  # a tier that computes with quantised blocks has a buffer, empty if none needs room
                 charged = count * DEQUANT_BYTES["gpu"] if tier == "gpu" and not self.devices.cuda else None
@@ -229,18 +234,23 @@ class Residency:
 
     def _place_packed(self, p, specs, source, dtype, tier: str, pinned: bool, what: str) -> BlockWeights:
         """The block as bytes (``packed_layout``): packed linears, then its other tensors."""
-        layout = packed_layout(self.fmt, specs, dtype, self.expert_of)
+        layout = packed_layout(self.fmt, specs, dtype, self.expert_of, self.formats)
         flat = self.devices.empty(tier, (layout.nbytes,), torch.uint8, what, pinned=pinned)
-        linears = [t for t in specs if quant.quantises(t.local, t.shape)]
-        others = [t for t in specs if not quant.quantises(t.local, t.shape)]
-        for (local, off, shape, n), t in zip(layout.packed, linears):
+        by_local = {t.local: t for t in specs}
+        for local, off, shape, n in layout.packed:
+            t = by_local[local]
+            if self.formats:  # already packed in the file's format, or repacked from it
+                flat[off:off + n].copy_(source.packed(t, layout.format_of(local, self.fmt)))
+                source.release(t)
+                continue
             w = source.view(t, None)
             w = w.t() if local.endswith("_t") else w
             flat[off:off + n].copy_(quant.quantise(self.fmt, w.to(flat.device)))
             del w
             source.release(t)   # quantised tensor by tensor: the checkpoint's pages go as they are read
         raw = flat[layout.raw_offset:].view(layout.raw_dtype)
-        for (local, off, shape), t in zip(layout.raw, others):
+        for local, off, shape in layout.raw:
+            t = by_local[local]
             raw[off:off + numel(shape)].view(shape).copy_(source.view(t, None))
             source.release(t)
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, layout,
@@ -295,6 +305,18 @@ class Residency:
         ``slot`` (asynchronously on CUDA: the caller is on the ``h2d`` stream)."""
         flat = self._loaded(block).flat
         self.slots[slot][:flat.numel()].copy_(flat, non_blocking=self.devices.cuda)
+
+
+def held_formats(plan: Plan, source):
+    """Each linear's own format (``source.format_of``) for a plan priced tensor by tensor from the
+    file ``source`` reads (``ModelSpec.block_bytes``), else None (every linear quantised to the
+    plan's format)."""
+    if not plan.model.block_bytes:
+        return None
+    if not hasattr(source, "format_of"):
+        raise HetplanError("the plan prices its weights tensor by tensor from a GGUF file; run it with "
+                           "--weights set to that .gguf file")
+    return source.format_of
 
 
 def _split(p: dict, specs: list, backend, n_experts: int) -> tuple[list, list]:

@@ -148,7 +148,7 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
     if mode == "cuda":
         check_pinned_memory(pinned_need_bytes(plan), host_available_bytes())
     # A backend that brings its own weights (an ONNX graph's initializers) reads no checkpoint.
-    source = backend.own_weights() if hasattr(backend, "own_weights") else weight_source(opts.weights, opts.seed)
+    source = backend.own_weights() if hasattr(backend, "own_weights") else weight_source(opts.weights, opts.seed, spec)
     ids, tokenizer = resolve_prompt(opts, source, spec, wl)
     gen_len = opts.gen_len or wl.gen_len
     needed = ids.shape[1] + gen_len - 1

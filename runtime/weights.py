@@ -9,6 +9,7 @@ mapped pages, never a second full copy; ``close`` unmaps the files afterwards.
 ``RandomWeights`` makes the same tensors from a seed: every value depends on the seed and the
 tensor's checkpoint name only, never on where the plan puts it.
 
+A .gguf file is read by ``hetplan.runtime.gguf.source.GgufWeights`` (``weight_source`` picks it).
 Both are checked against the tensors a backend expects before anything is loaded; the first
 tensor that is missing or has the wrong shape or dtype is named. Knows nothing about plans or tiers.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hetplan.errors import HetplanError
+from hetplan.frontends.gguf.header import is_gguf
 from hetplan.runtime.backend import TensorSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -257,9 +259,15 @@ def _chunk_seed(seed: int, name: str, index: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def weight_source(weights: str, seed: int) -> Checkpoint | RandomWeights:
-    """``--weights random`` or a checkpoint directory."""
-    return RandomWeights(seed) if weights == "random" else Checkpoint(weights)
+def weight_source(weights: str, seed: int, spec=None):
+    """``--weights random``, a .gguf file of the model ``spec`` (``hetplan.runtime.gguf``) or a
+    checkpoint directory."""
+    if weights == "random":
+        return RandomWeights(seed)
+    if Path(weights).suffix.lower() == ".gguf" or (Path(weights).is_file() and is_gguf(weights)):
+        from hetplan.runtime.gguf.source import GgufWeights
+        return GgufWeights(weights, spec)
+    return Checkpoint(weights)
 
 
 def random_state_dict(backend, blocks, dtype: torch.dtype, seed: int) -> dict:

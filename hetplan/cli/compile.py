@@ -98,7 +98,7 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     """Plan MODEL on a machine and write the plan.
 
     MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
-    one, or an .onnx file."""
+    one, an .onnx file, or a .gguf file."""
     if not 0 < time_limit_s <= TIME_LIMIT_MAX_S:  # also refuses nan
         raise click.BadParameter(f"must be a positive number of seconds, at most {TIME_LIMIT_MAX_S:g} "
                                  f"(about 4 months)", param_hint="--time-limit")

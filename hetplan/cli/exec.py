@@ -47,7 +47,7 @@ class _Progress:
 
 @click.command("exec")
 @click.argument("plan_path", metavar="PLAN")
-@click.option("--weights", default=None, help="Checkpoint directory (safetensors), or 'random'.")
+@click.option("--weights", default=None, help="Checkpoint directory (safetensors), a .gguf file, or 'random'.")
 @click.option("--model", "model_path", default=None,
               help="For a plan compiled from an .onnx model: the graph to run (default: the path in the plan).")
 @click.option("--seed", default=0, show_default=True, type=int,

@@ -1,8 +1,9 @@
 """Model sources: what a MODEL argument names, read into a ``ModelSpec``.
 
 ``load_model`` resolves a preset name, a Hugging Face ``config.json`` (or a directory holding
-one) or an ``.onnx`` decoder export; ``hf_config`` knows each family's config keys and
-``onnx`` reads ONNX graphs (blocks and stage costs from their nodes). Knows nothing about
+one), an ``.onnx`` decoder export or a ``.gguf`` file; ``hf_config`` knows each family's config
+keys, ``onnx`` reads ONNX graphs (blocks and stage costs from their nodes) and ``gguf`` reads
+GGUF headers (each block priced by its tensors' own types). Knows nothing about
 machines, costs, solvers or torch: a frontend only says what the model is.
 """
 

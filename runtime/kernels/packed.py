@@ -1,9 +1,10 @@
 """Quantised blocks as bytes, and the weights their stages compute with.
 
 With a quantised weight dtype (``hetplan.runtime.kernels.quant``) a block is one uint8 buffer (resident,
-in host memory, or in a staging slot): its linear weights packed in the plan's format, each
-16-byte aligned, then its other tensors in one run of ``raw_dtype`` (fp16 embedding tables;
-norms and biases in the compute dtype). ``PackedLayout`` says where each tensor lies, in those
+in host memory, or in a staging slot): its linear weights packed in the plan's format (or each
+in its own, ``PackedLayout.formats``: a GGUF file's mixed types), each 16-byte aligned, then
+its other tensors in one run of ``raw_dtype`` (fp16 embedding tables; norms and biases in the
+compute dtype). ``PackedLayout`` says where each tensor lies, in those
 bytes and in the dequantisation buffer of the tier a stage computes on.
 
 A stage's weights are ``PackedView.materialise()``: a mapping that hands each linear to the
@@ -49,6 +50,12 @@ class PackedLayout:
     """((local, element offset, shape), ...) of each linear, dequantised, inside the buffer."""
     experts: frozenset
     """Linears in the shared expert region: dequantised again on every lookup."""
+    formats: tuple = ()
+    """((local, format), ...) of each packed linear, where linears differ in format (a GGUF
+    file's mixed types); empty: every linear in the block's format."""
+
+    def format_of(self, local: str, default: str) -> str:
+        return dict(self.formats).get(local, default)
 
     @property
     def nbytes(self) -> int:
@@ -70,15 +77,18 @@ def needs_matrix(local: str) -> bool:
     return local.split(".")[0] in MATRIX_LINEARS
 
 
-def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None) -> PackedLayout:
+def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None, formats=None) -> PackedLayout:
     """The layout of a block's tensors ``specs`` (``TensorSpec``) in format ``fmt``, computing in
-    ``dtype``; ``expert_of(local)`` names the routed expert of a tensor (None: not an expert)."""
+    ``dtype``; ``expert_of(local)`` names the routed expert of a tensor (None: not an expert);
+    ``formats(spec)``, where given, is each linear's own format (None: kept unquantised, with
+    the norms and biases)."""
     expert_of = expert_of or (lambda local: None)
-    linears = [t for t in specs if quant.quantises(t.local, t.shape)]
-    others = [t for t in specs if not quant.quantises(t.local, t.shape)]
+    own = {t.local: formats(t) for t in specs if quant.quantises(t.local, t.shape)} if formats else {}
+    linears = [t for t in specs if quant.quantises(t.local, t.shape) and own.get(t.local, fmt) is not None]
+    others = [t for t in specs if t not in linears]
     packed, offset = [], 0
     for t in linears:
-        n = quant.nbytes(fmt, quant.stored_shape(t.local, t.shape))
+        n = quant.nbytes(own.get(t.local, fmt), quant.stored_shape(t.local, t.shape))
         packed.append((t.local, offset, tuple(t.shape), n))
         offset += -(-n // ALIGN) * ALIGN
     raw, count = [], 0
@@ -92,7 +102,8 @@ def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None) -> Packed
             dense.append((t.local, end, tuple(t.shape)))
             end += numel(t.shape)
     experts = frozenset(t.local for t in linears if expert_of(t.local) is not None)
-    return PackedLayout(tuple(packed), offset, raw_dtype, tuple(raw), tuple(dense), experts)
+    kinds = tuple((t.local, own[t.local]) for t in linears) if formats else ()
+    return PackedLayout(tuple(packed), offset, raw_dtype, tuple(raw), tuple(dense), experts, kinds)
 
 
 def sharing_experts(layout: PackedLayout, other: PackedLayout) -> PackedLayout:
@@ -119,8 +130,10 @@ class PackedView:
         fits = buffer is not None and buffer.numel() >= layout.buffer_numel
         self.dense = views(buffer, layout.dense, fused) if fits else {}
         names = [local for local, _, _, _ in layout.packed]
+        self.format = {name: layout.format_of(name, fmt) for name in names}
         self.parts = {name: (name,) for name in names} | {
-            name: parts for name, parts in fused.items() if all(p in self.packed for p in parts)}
+            name: parts for name, parts in fused.items()
+            if all(p in self.packed for p in parts) and len({self.format[p] for p in parts}) == 1}
         self.raw = views(flat[layout.raw_offset:layout.nbytes].view(layout.raw_dtype), layout.raw, fused)
         self.linears = packed_linears(self) if buffer is not None else {}
 
@@ -174,10 +187,10 @@ def packed_linears(v: PackedView) -> dict:
         segments = []
         for local in parts:
             off, shape, n = v.packed[local]
-            segments.append(quant.split(v.fmt, v.flat[off:off + n], quant.stored_shape(local, shape)))
+            segments.append(quant.split(v.format[local], v.flat[off:off + n], quant.stored_shape(local, shape)))
         cols = quant.stored_shape(parts[0], v.packed[parts[0]][1])[1]
         target = None if name.endswith("_t") or name in v.layout.experts else v.dense.get(name)
-        out[name] = PackedLinear(v.fmt, cols, tuple(segments), target)
+        out[name] = PackedLinear(v.format[parts[0]], cols, tuple(segments), target)
     return out
 
 

@@ -1,0 +1,142 @@
+"""``GgufWeights``: a .gguf file as the runtime's weight source, memory-mapped.
+
+A backend asks for tensors by Hugging Face name (``TensorSpec.checkpoint``);
+``hetplan.frontends.gguf.families.gguf_name`` says which file tensor holds each (a routed
+expert is a slice of the stacked ``ffn_*_exps`` tensor: its rows, contiguous in the file). A
+llama-architecture file's ``attn_q``/``attn_k`` rows are un-permuted (llama.cpp's converter
+interleaves rotary pairs; the runtime rotates halves, as Hugging Face does). ``packed(t, fmt)``
+is a linear in its runtime format (``repack.to_runtime``), ``view(t)`` any tensor dequantised
+to fp32. Every tensor is read from the mapping once, when its block is placed; ``release``
+drops its pages from the process afterwards. Knows nothing about plans, tiers or schedules.
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import torch
+
+from hetplan.errors import HetplanError
+from hetplan.frontends.gguf.families import check_shapes, gguf_name, permuted_rows
+from hetplan.frontends.gguf.header import read_header
+from hetplan.frontends.gguf.held import price, runtime_format
+from hetplan.model import ModelSpec
+from hetplan.runtime.backend import TensorSpec
+from hetplan.runtime.gguf import repack
+
+
+class GgufWeights:
+    """The tensors of a GGUF file, by Hugging Face name, for the model ``spec``."""
+
+    def __init__(self, path: str | Path, spec: ModelSpec):
+        self.path = Path(path)
+        self.directory = None
+        self.header = read_header(self.path)
+        self.spec = spec
+        if spec.is_mla:
+            raise HetplanError(f"--weights {self.path}: the runtime does not read deepseek2 GGUF tensors yet "
+                               f"(MLA's attn_kv_b / attn_k_b, attn_v_b); plans compile from the file, but to run "
+                               f"one compile it from the model's config.json and run it on its safetensors")
+        check_shapes(self.header, spec)
+        if spec.block_bytes:
+            mine = price(self.header, spec, None)
+            if (mine.block_bytes, mine.extra.get("gguf")) != (spec.block_bytes, spec.extra.get("gguf")):
+                raise HetplanError(f"--weights {self.path}: its tensors (names, types, shapes) are not those the "
+                                   f"plan priced; this is not the file the plan was compiled from: recompile it "
+                                   f"with `hetplan compile {self.path}`")
+        self._check_expert_pairs()
+        with open(self.path, "rb") as fh:
+            # A private mapping: pages stay shared with the page cache until written.
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def _check_expert_pairs(self) -> None:
+        """A routed expert's gate and up projections are multiplied as one (fused) linear: they
+        must be held in one format."""
+        for l in range(self.spec.n_layers):
+            gate, up = (self.header.tensors.get(f"blk.{l}.ffn_{p}_exps.weight") for p in ("gate", "up"))
+            if gate and up and runtime_format(gate) != runtime_format(up):
+                raise HetplanError(f"--weights {self.path}: blk.{l}.ffn_gate_exps is {gate.type} and ffn_up_exps "
+                                   f"{up.type}; the runtime multiplies an expert's gate and up together and "
+                                   f"needs them in one format (compile with --weight-dtype q8_0 to requantise)")
+
+    # -- the weight-source interface -----------------------------------------------------------
+    def _tensor(self, expected: TensorSpec):
+        found = gguf_name(expected.checkpoint)
+        t = self.header.tensors.get(found[0]) if found else None
+        if t is None:
+            raise HetplanError(f"--weights {self.path}: no tensor for {expected.checkpoint!r} "
+                               f"({found[0] if found else 'no GGUF name'}); this file is not the plan's model")
+        return t, found[1]
+
+    def check(self, expected: TensorSpec, dtype, where: str) -> None:
+        t, expert = self._tensor(expected)
+        shape = tuple(reversed(t.shape))
+        shape = shape[1:] if expert is not None else shape
+        if shape != tuple(expected.shape):
+            raise HetplanError(f"--weights {self.path}: tensor {t.name!r} holds {list(shape)} for "
+                               f"{expected.checkpoint!r}, the plan's model expects {list(expected.shape)} ({where}); "
+                               f"recompile the plan from this file")
+
+    def _rows(self, expected: TensorSpec):
+        """(ggml type, cols, uint8 rows [R, bytes per row]) of the tensor, over the mapping."""
+        t, expert = self._tensor(expected)
+        cols = t.shape[0]
+        rows = t.numel // cols
+        per_row = repack.row_bytes(t.type, cols)
+        offset = t.offset
+        if expert is not None:
+            rows //= t.shape[-1]
+            offset += expert * rows * per_row
+        buf = memoryview(self._map)[offset:offset + rows * per_row]
+        return t, cols, torch.frombuffer(buf, dtype=torch.uint8).view(rows, per_row)
+
+    def _order(self, t, rows: int) -> torch.Tensor | None:
+        """Row order undoing llama.cpp's q/k permutation: HF row i is file row order[i]."""
+        heads = permuted_rows(self.spec, t.name)
+        if heads is None:
+            return None
+        return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+    def format_of(self, expected: TensorSpec) -> str | None:
+        """The runtime format linear ``expected`` is held in (None: unquantised)."""
+        return runtime_format(self._tensor(expected)[0])
+
+    def packed(self, expected: TensorSpec, fmt: str) -> torch.Tensor:
+        """The linear packed in runtime format ``fmt`` (``quant.split`` reads it back): its
+        row-part arrays, each [rows, count], one after the other."""
+        t, cols, data = self._rows(expected)
+        parts = repack.to_runtime(t.type, data, cols)
+        order = self._order(t, data.shape[0])
+        if order is not None:
+            parts = tuple(p[order] for p in parts)
+        return torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
+
+    def view(self, expected: TensorSpec, dtype: torch.dtype | None) -> torch.Tensor:
+        """The tensor's values, fp32 (or ``dtype``), in the Hugging Face shape and row order."""
+        t, cols, data = self._rows(expected)
+        x = repack.dequantise(t.type, data, cols)
+        order = self._order(t, data.shape[0])
+        if order is not None:
+            x = x[order]
+        x = x.reshape(expected.shape)
+        return x if dtype is None else x.to(dtype)
+
+    def fill(self, expected: TensorSpec, out: torch.Tensor) -> None:
+        out.copy_(self.view(expected, None))
+        self.release(expected)
+
+    def release(self, expected: TensorSpec) -> None:
+        """Drop the tensor's pages from this process's resident set (they stay in the page cache)."""
+        t, _ = self._tensor(expected)
+        if not hasattr(mmap, "MADV_DONTNEED") or t.nbytes == 0:
+            return
+        begin = t.offset - t.offset % mmap.PAGESIZE
+        end = min(len(self._map), -(-(t.offset + t.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+    def close(self) -> None:
+        self._map.close()
+
+    def tokenizer_dir(self) -> None:
+        return None
