@@ -39,9 +39,17 @@ Objective = Literal[OBJECTIVES]
 
 # -- model ---------------------------------------------------------------------------------------
 
+class GgufRecord(Strict):
+    """What a model read from a .gguf file records about the file (``hetplan.frontends.gguf``)."""
+    file_bytes: dict[Name, Annotated[int, Field(ge=0, le=2**50)]] = Field(description="the file's bytes per block")
+    types: dict[Name, Annotated[int, Field(ge=0, le=10**7)]] = Field(description="tensor count per GGUF type")
+    tensors: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")] = Field(description="digest of the tensor list")
+
+
 class ModelExtra(Strict):
     """Family-specific settings the runtime reads (deepseek routing, qwen3_moe normalisation, the
-    source of an ONNX import)."""
+    source of an ONNX or GGUF import)."""
+    gguf: GgufRecord | None = Field(None, description="set for a model read from a .gguf file")
     norm_topk_prob: bool | None = Field(None, description="renormalise the top-k routing weights")
     n_group: Count | None = Field(None, description="deepseek: expert groups")
     topk_group: Count | None = Field(None, description="deepseek: groups a token may choose")
@@ -95,6 +103,8 @@ class Model(Strict):
     weight_dtype: Dtype = Field("fp16", description="how weights are stored")
     kv_dtype: Dtype = Field("fp16", description="how the KV cache is stored")
     extra: ModelExtra = Field(default_factory=ModelExtra, description="family-specific settings")
+    block_bytes: dict[Name, Annotated[int, Field(ge=0, le=2**50)]] | None = Field(
+        None, description="weight bytes per block as held, where the file's tensor types set them (GGUF)")
 
 
 # -- hardware ------------------------------------------------------------------------------------
@@ -360,6 +370,7 @@ class PlanFile(Strict):
 
 
 SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling), ("model.extra", ModelExtra),
+            ("model.extra.gguf", GgufRecord),
             ("hardware", Hardware), ("hardware.gpus[], hardware.cpu", Device), ("*.flops_per_s", DeviceFlops),
             ("hardware.efficiency", HwEfficiency), ("hardware.latency_s", HwLatency), ("workload", Workload),
             ("solver", Solver), ("solver.options", SolverOptions), ("solver.size", SolverSize),
