@@ -10,15 +10,22 @@ and its own ``llama-quantize`` makes q8_0, q4_0 and q4_k_m from the f32 file. Pe
 bf16, q8_0, q4_0, q4_k_m) and tool, every measurement is a fresh process, tools rotated in order
 from one repetition to the next, median of ``--reps``; 2 threads, batch 1:
 
-- hetplan: an all-CPU plan compiled for a CPU-only node of this machine (``hetplan profile``'s
-  table when ``--profile`` is given), run by ``run_plan`` (``hetplan exec``): prompt 64 + 64
-  decode tokens (TTFT, TPOT) and a 512-token prefill, the plan's predictions beside them.
+- hetplan: an all-CPU plan compiled for this machine (the node.yaml ``hetplan profile`` wrote,
+  given as ``--profile``, whose measured table prices the plan; else a CPU-only node of nominal
+  peaks), run by ``run_plan`` (``hetplan exec``): prompt 64 + 64 decode tokens (TTFT, TPOT) and
+  a 512-token prefill, the plan's predictions beside them. The profile is made by
+  ``hetplan profile --out WORK/profile/node.yaml --model WORK/model --weight-dtype bf16
+  --weight-dtype q8_0 --weight-dtype q4_0 --weight-dtype q4_k_m``.
 - llama.cpp: ``llama-bench -p 64,512 -n 64 -t 2 -r 1`` on the GGUF of that dtype (TPOT = 1 /
   tg64 tokens/s, TTFT = 64 / pp64 tokens/s, prefill = 512 / pp512 tokens/s).
 - transformers: ``generate`` on the safetensors checkpoint loaded in that dtype (fp32, bf16;
   it has no GGUF block formats).
 
-Peak RSS is each process's (``wait4``'s ru_maxrss). The DRAM streaming read bandwidth is
+Peak RSS is each measured process's own high-water mark, ``VmHWM`` of ``/proc/<pid>/status``:
+read inside the Python children when their measurement ends (hetplan: after the prompt-64 run,
+before the prefill run's plan is compiled), and polled every 20 ms for ``llama-bench`` (the
+last reading before it exits). ``wait4``'s ru_maxrss is not used: a child spawned by this
+(large) process starts from the parent's high-water mark. The DRAM streaming read bandwidth is
 measured (a 1 GiB torch sum, best of 5) and the bandwidth floor of a decode step is the bytes
 of the weights read per token over it. llama.cpp is found by ``--llama-cpp`` or
 ``$HETPLAN_LLAMA_CPP`` (default: the build under ``/root/.cache/hetplan-bench``); the bench
@@ -105,6 +112,17 @@ def make_ggufs(work: Path, ckpt: Path, llama: Path, python: str, convert: Path) 
 
 
 # -- one measurement, one process -----------------------------------------------------------------
+def peak_rss(pid: int | str = "self") -> int | None:
+    """``VmHWM`` (peak resident set) of process ``pid`` in bytes, None once it has exited."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def child(tool: str, dtype: str, work: Path, profile: str | None) -> dict:
     """Runs inside a fresh process: measures one (tool, dtype) and returns its numbers."""
     import torch
@@ -114,7 +132,7 @@ def child(tool: str, dtype: str, work: Path, profile: str | None) -> dict:
     if tool == "hetplan":
         from hetplan.compiler import CompileRequest, compile_plan
         from hetplan.runtime.session import RunOptions, run_plan
-        node = work / "node.yaml"
+        node = Path(profile) if profile else work / "node.yaml"   # `hetplan profile`'s node.yaml
         out = {}
         for key, prompt, gen in (("decode", PROMPT, GEN), ("prefill", PREFILL, 1)):
             plan, _ = compile_plan(CompileRequest(model=str(ckpt), hw=str(node), weight_dtype=dtype,
@@ -123,8 +141,10 @@ def child(tool: str, dtype: str, work: Path, profile: str | None) -> dict:
                                             gen_len=gen))
             out[key] = {"ttft_s": res.measured["ttft_s"], "tpot_s": res.measured.get("tpot_s"),
                         "pred_ttft_s": plan.predicted["ttft_s"], "pred_tpot_s": plan.predicted["tpot_s"],
-                        "weight_bytes": sum(p["weight_bytes"] for p in plan.placement)}
+                        "weight_bytes": sum(p["weight_bytes"] for p in plan.placement), "rss_bytes": peak_rss()}
+            del res
         return {"ttft_s": out["decode"]["ttft_s"], "tpot_s": out["decode"]["tpot_s"],
+                "rss_bytes": out["decode"]["rss_bytes"],
                 "prefill_s": out["prefill"]["ttft_s"], "pred_ttft_s": out["decode"]["pred_ttft_s"],
                 "pred_tpot_s": out["decode"]["pred_tpot_s"], "pred_prefill_s": out["prefill"]["pred_ttft_s"],
                 "weight_bytes": out["decode"]["weight_bytes"]}
@@ -148,7 +168,8 @@ def child(tool: str, dtype: str, work: Path, profile: str | None) -> dict:
             t1 = time.perf_counter()
             model(ids)
             prefill = time.perf_counter() - t1
-        return {"ttft_s": stamps[0] - t0, "tpot_s": sum(gaps) / len(gaps), "prefill_s": prefill}
+        return {"ttft_s": stamps[0] - t0, "tpot_s": sum(gaps) / len(gaps), "prefill_s": prefill,
+                "rss_bytes": peak_rss()}
     raise ValueError(tool)
 
 
@@ -160,25 +181,27 @@ def measure(tool: str, dtype: str, work: Path, llama: Path, ggufs: dict, profile
             proc = subprocess.Popen([str(llama / "bin" / "llama-bench"), "-m", str(ggufs[GGUF[dtype]]), "-p",
                                      f"{PROMPT},{PREFILL}", "-n", str(GEN), "-t", str(THREADS), "-r", "1",
                                      "-o", "json"], stdout=f, stderr=subprocess.DEVNULL)
-            _, status, usage = os.wait4(proc.pid, 0)
+            rss = 0
+            while proc.poll() is None:   # VmHWM only grows: the last reading is the peak
+                rss = max(rss, peak_rss(proc.pid) or 0)
+                time.sleep(0.02)
+            status = proc.returncode
         if status:
             raise RuntimeError(f"llama-bench exited {status} on {dtype}")
         rows = json.loads(out_path.read_text())
         ts = {(row["n_prompt"], row["n_gen"]): row["avg_ts"] for row in rows}
         result = {"ttft_s": PROMPT / ts[(PROMPT, 0)], "prefill_s": PREFILL / ts[(PREFILL, 0)],
-                  "tpot_s": 1 / ts[(0, GEN)]}
+                  "tpot_s": 1 / ts[(0, GEN)], "rss_bytes": rss}
     else:
         cmd = [sys.executable, "-W", "ignore", __file__, "--child", tool, "--dtype", dtype, "--work", str(work)]
         if profile:
             cmd += ["--profile", profile]
         out_path = work / "child.json"
         with open(out_path, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.DEVNULL)
-            _, status, usage = os.wait4(proc.pid, 0)
+            status = subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL).returncode
         if status:
             raise RuntimeError(f"{tool} exited {status} on {dtype}: rerun {' '.join(cmd)}")
         result = json.loads(out_path.read_text().splitlines()[-1])
-    result["rss_bytes"] = usage.ru_maxrss * 1024
     return result
 
 
@@ -198,14 +221,13 @@ def _timed(f) -> float:
     return time.perf_counter() - t
 
 
-def node_yaml(path: Path, profile: str | None) -> None:
-    """This machine as a CPU-only node; the plan is all-CPU whatever the peaks."""
+def node_yaml(path: Path) -> None:
+    """This machine as a CPU-only node with nominal peaks (used without ``--profile``); the plan
+    is all-CPU whatever the peaks."""
     from hetplan.runtime.devices import host_available_bytes
     mem = host_available_bytes() / 2**30
     text = (f"name: this-cpu\ncpu: {{name: host, cores: {THREADS}, memory: {mem:.1f}GiB, mem_bandwidth: 15GB/s, "
             f"flops: {{fp32: 100GFLOPS, bf16: 100GFLOPS}}}}\nreserve: {{cpu: 1GiB}}\n")
-    if profile:
-        text += f"profile: {Path(profile).resolve()}\n"
     path.write_text(text)
 
 
@@ -219,7 +241,9 @@ def main() -> None:
     ap.add_argument("--convert-python", default=str(CACHE / "venv" / "bin" / "python"))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
-    ap.add_argument("--profile", default=None, help="a `hetplan profile` table the plans are priced with")
+    ap.add_argument("--profile", default=None,
+                    help="the node.yaml `hetplan profile --model WORK/model` wrote: plans are compiled for it "
+                         "(priced by its measured table); default a CPU-only node of nominal peaks")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -232,7 +256,9 @@ def main() -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     ckpt = make_model(work, args.convert_python)
-    node_yaml(work / "node.yaml", args.profile)
+    node_yaml(work / "node.yaml")
+    if args.profile:
+        args.profile = str(Path(args.profile).resolve())
     llama = Path(args.llama_cpp)
     have_llama = (llama / "bin" / "llama-bench").is_file()
     ggufs = make_ggufs(work, ckpt, llama, args.convert_python, Path(args.llama_src) / "convert_hf_to_gguf.py") \

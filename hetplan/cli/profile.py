@@ -79,19 +79,32 @@ def _rate(v: float, unit: str) -> str:
     return f"{v:.4g}{unit}"
 
 
+def _in_dtypes(spec, weight_dtypes: tuple) -> tuple:
+    """``spec`` in its own weight dtype and in each of ``weight_dtypes`` (once each)."""
+    dtypes = dict.fromkeys((spec.weight_dtype,) + tuple(weight_dtypes))
+    return tuple(spec if d == spec.weight_dtype else spec.with_dtypes(weight_dtype=d) for d in dtypes)
+
+
 def _host() -> str:
     import socket
     return re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "machine"
 
 
-def measure(out: str, budget_s: float, models: tuple, progress=None, started: float | None = None):
+def measure(out: str, budget_s: float, models: tuple, progress=None, started: float | None = None,
+            weight_dtypes: tuple = ()):
     """Profile this machine within ``budget_s`` seconds counted from ``started`` (a
     ``time.perf_counter()`` value; now by default) and write ``out`` and its profile table beside
-    it. Refuses (HetplanError) to write impossible values. Returns (ProfileResult, profile path)."""
+    it; each model's stages are timed in its own dtype and in each of ``weight_dtypes``.
+    Refuses (HetplanError) to write impossible values. Returns (ProfileResult, profile path)."""
+    from hetplan.dtypes import check_dtype
     from hetplan.frontends.resolve import load_model
     from hetplan.profile.checks import peak_problems, profile_problems
 
-    specs = tuple(load_model(m) for m in models)
+    if weight_dtypes and not models:
+        raise HetplanError("--weight-dtype times a --model's stages in that dtype: add --model MODEL")
+    for d in weight_dtypes:
+        check_dtype(d, "--weight-dtype")
+    specs = tuple(s for m in models for s in _in_dtypes(load_model(m), weight_dtypes))
     out_path = Path(out)
     writable_target(out_path, "--out")
     writable_target(out_path.with_name(out_path.stem + ".profile.json"), "--out")
@@ -126,12 +139,15 @@ def measure(out: str, budget_s: float, models: tuple, progress=None, started: fl
 @click.option("--budget", default=DEFAULT_BUDGET, show_default=True, help="Time the profile may take (120s, 2m).")
 @click.option("--model", "models", multiple=True,
               help="Also time every stage of this model (preset, config.json or directory); repeatable.")
+@click.option("--weight-dtype", "weight_dtypes", multiple=True,
+              help="Also time each --model's stages with its weights in this dtype (q8_0, q4_0, ...: its "
+                   "packed kernels); repeatable. The standard grid times every quantised format anyway.")
 @click.option("--from-trace", "trace", default=None,
               help="Fold the task times of a `hetplan exec --trace` run into --profile instead of measuring.")
 @click.option("--profile", "profile_path", default=None, help="With --from-trace: the node.profile.json to update.")
 @click.option("--plan", "plan_path", default=None,
               help="With --from-trace: the plan the trace ran (when the trace does not carry it).")
-def command(out, budget, models, trace, profile_path, plan_path):
+def command(out, budget, models, weight_dtypes, trace, profile_path, plan_path):
     """Measure this machine (CPU, GPU, links, and the stages of --model) and write a node.yaml
     that `hetplan compile --hw` reads, with a measured per-op table the cost model prefers."""
     started = time.perf_counter()
@@ -150,7 +166,8 @@ def command(out, budget, models, trace, profile_path, plan_path):
                                      item_show_func=lambda s: s or "")
         return _Steps(n)
 
-    result, prof_path = measure(out, budget_s, models, progress=progress, started=started)
+    result, prof_path = measure(out, budget_s, models, progress=progress, started=started,
+                                weight_dtypes=weight_dtypes)
     info, p = result.table.info, result.peaks
     click.echo(f"wrote {out} and {prof_path} in {info['elapsed_s']:.1f} s (budget {budget_s:.0f} s, "
                f"{info['threads']} threads): CPU read {p['cpu.mem_bandwidth'] / 1e9:.1f} GB/s, "

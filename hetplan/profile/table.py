@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetplan.cost import Work
+from hetplan.dtypes import QUANTISED
 from hetplan.errors import HetplanError
 from hetplan.files import parse_json, read_text
 from hetplan.model import ModelSpec
@@ -52,9 +54,20 @@ class ProfileMismatchWarning(UserWarning):
 # -- keys ---------------------------------------------------------------------------------------
 
 def table_dtype(spec: ModelSpec) -> str | None:
-    """The dtype a profile key uses for ``spec``: its weight dtype when the runtime computes in
-    it (fp32, bf16, fp16); None for quantised formats, which no table covers."""
-    return spec.weight_dtype if spec.weight_dtype in ("fp32", "bf16", "fp16") else None
+    """The dtype a profile key uses for ``spec``: its weight dtype, a quantised format included
+    (``hetplan profile`` times the packed kernels of each); None for one the runtime has no
+    kernels for."""
+    return spec.weight_dtype if spec.weight_dtype in ("fp32", "bf16", "fp16") + QUANTISED else None
+
+
+def arithmetic_dtype(device: str, dtype: str) -> str:
+    """The dtype the runtime computes in for ``dtype`` weights on ``device``: a quantised format
+    is dequantised into fp32 on the CPU, bf16 on a GPU (``hetplan.runtime.kernels.quant``).
+    Attention and embedding of a quantised model run in it: the table's entries of that dtype
+    price them when the quantised format has none of its own."""
+    if dtype in QUANTISED:
+        return "fp32" if device == "cpu" else "bf16"
+    return dtype
 
 
 def shape_key(op: str, spec: ModelSpec) -> str:
@@ -169,16 +182,41 @@ class ProfileTable:
         dtype = table_dtype(spec)
         if dtype is None or work.op not in OPS:
             return None
+        if dtype in QUANTISED:
+            self._require(device, dtype)
         x = coordinate(work.op, work, spec)
-        exact = self.entries.get((device, work.op, dtype, shape_key(work.op, spec)))
-        if exact is not None:
-            return exact.at(x)
+        arith = arithmetic_dtype(device, dtype)
+        dtypes = (dtype,) if work.op in LINEAR_STAGES or arith == dtype else (dtype, arith)
+        for dt in dtypes:
+            exact = self.entries.get((device, work.op, dt, shape_key(work.op, spec)))
+            if exact is not None:
+                return exact.at(x)
         family = (work.op, "linear") if work.op in LINEAR_STAGES else (work.op,)
-        for op in family:
-            near = self._nearest(device, op, dtype, x, work)
-            if near is not None:
-                return near.at(x) * _scale(work, near, x)
+        for dt in dtypes:
+            for op in family:
+                near = self._nearest(device, op, dt, x, work)
+                if near is not None:
+                    return near.at(x) * _scale(work, near, x)
         return None
+
+    @functools.cached_property
+    def _measured(self) -> frozenset:
+        """(device, op, dtype) of every entry."""
+        return frozenset((d, o, t) for d, o, t, _ in self.entries)
+
+    def _require(self, device: str, dtype: str) -> None:
+        """A table that measured ``device`` must have measured the packed kernels of quantised
+        ``dtype`` there too: pricing its weight GEMMs at another dtype's rate is what the table
+        exists to avoid (a table that never measured ``device`` leaves it to the roofline)."""
+        measured = self._measured
+        if not any(d == device for d, _, _ in measured):
+            return
+        if not any((device, op, dtype) in measured for op in ("linear",) + LINEAR_STAGES):
+            raise HetplanError(
+                f"the node's profile has no measurement of {dtype} weights on the {device}: it was written "
+                f"before `hetplan profile` timed packed kernels, or its budget ran out first; re-run "
+                f"`hetplan profile --model MODEL --weight-dtype {dtype}` (or remove the node.yaml's "
+                f"profile: key to price the plan analytically)")
 
     def _nearest(self, device: str, op: str, dtype: str, x: float, work: Work) -> Entry | None:
         """The entry of (device, op, dtype) whose bytes at ``x`` are closest to ``work.bytes``

@@ -9,7 +9,11 @@ its operands cold (``copies``), as a forward pass through many layers does.
 
 Stage kernels run the runtime's own backend (``backend.run``) on random weights, so the table
 holds what ``hetplan exec`` will execute; the standard grid runs plain torch GEMMs and
-``scaled_dot_product_attention``. Knows nothing about budgets, repeats or files.
+``scaled_dot_product_attention``. A quantised dtype (``QUANTISED``) is measured as the runtime
+runs it: its weights quantised into the packed bytes the runtime places (``packed_layout``) and
+multiplied by the packed kernels (``hetplan.runtime.kernels.linear``), activations in the
+dtype the runtime dequantises into on that device (``quant.compute_dtype``). Knows nothing
+about budgets, repeats or files.
 """
 
 from __future__ import annotations
@@ -27,9 +31,15 @@ from hetplan.cost import Work
 from hetplan.graph import block_graph
 from hetplan.model import ModelSpec
 from hetplan.profile.table import linear_shape, shape_key
+from hetplan.dtypes import row_bytes
+from hetplan.runtime.kernels import quant
+from hetplan.runtime.kernels.linear import PackedLinear, linear
 from hetplan.runtime.profiler.machine import cache_bytes
 from hetplan.runtime.weights import TORCH_DTYPES
 from hetplan.workload import Workload
+
+QUANTISED = quant.FORMATS
+"""Weight formats the runtime keeps packed: profiled by their packed kernels."""
 
 TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 """Rows of the linear stages (decode batch, or batch * prompt in prefill)."""
@@ -81,23 +91,46 @@ def cycling(calls: list) -> Callable[[], object]:
 
 # -- standard grid ------------------------------------------------------------------------------
 
+def compute_dtype(device: str, dtype: str) -> str:
+    """The dtype the arithmetic of ``dtype`` weights runs in on ``device``: their own, or for a
+    quantised format the one the runtime dequantises into there (fp32 on the CPU, bf16 on CUDA)."""
+    if dtype not in QUANTISED:
+        return dtype
+    return "bf16" if quant.compute_dtype("cuda" if device == "gpu" else "cpu") == torch.bfloat16 else "fp32"
+
+
 def linear_kernels(device: str, dtype: str) -> list[Kernel]:
-    """Plain GEMM/GEMV y = x @ W^T for each standard shape and row count; work as
-    ``cost.linear_work`` counts it (2 * rows * k * n FLOPs; weights + activations bytes)."""
-    dt, dev = TORCH_DTYPES[dtype], torch.device(_torch_device(device))
-    elem = 4 if dtype == "fp32" else 2
+    """GEMM/GEMV y = x @ W^T for each standard shape and row count: plain torch for fp32 and
+    16-bit weights, the packed kernels (``linear``) for a quantised format; work as
+    ``cost.linear_work`` counts it (2 * rows * k * n FLOPs; weight bytes as stored, scales
+    included, + activations)."""
+    act = TORCH_DTYPES[compute_dtype(device, dtype)]
+    dev = torch.device(_torch_device(device))
     out = []
     for k, n in LINEAR_GRID:
+        wbytes = row_bytes(dtype, k) * n
         for rows in LINEAR_TOKENS:
-            def setup(cache, k=k, n=n, rows=rows):
+            def setup(cache, k=k, n=n, rows=rows, wbytes=wbytes):
                 if "w" not in cache:
-                    cache["w"] = [_rand((n, k), dt, dev) for _ in range(copies(device, k * n * elem))]
-                x = _rand((rows, k), dt, dev, 1.0)
+                    cache["w"] = _grid_weights(dtype, n, k, dev, copies(device, wbytes))
+                x = _rand((rows, k), act, dev, 1.0)
+                if dtype in QUANTISED:
+                    return cycling([lambda w=w: linear(x, w) for w in cache["w"]])
                 return cycling([lambda w=w: x @ w.T for w in cache["w"]])
-            work = Work(flops=2.0 * rows * k * n, bytes=(k * n + rows * (k + n)) * elem, op="linear", tokens=rows)
+            work = Work(flops=2.0 * rows * k * n, bytes=wbytes + rows * (k + n) * act.itemsize, op="linear",
+                        tokens=rows)
             out.append(Kernel(device, "linear", dtype, linear_shape(k, n), rows, work,
                               f"{device}/linear/{dtype}/{k}x{n}", setup, grid=True))
     return out
+
+
+def _grid_weights(dtype: str, n: int, k: int, dev, count: int) -> list:
+    """``count`` copies of one random [n, k] weight: tensors, or ``PackedLinear`` over packed
+    bytes for a quantised format (quantised once, the bytes copied)."""
+    if dtype not in QUANTISED:
+        return [_rand((n, k), TORCH_DTYPES[dtype], dev) for _ in range(count)]
+    packed = quant.quantise(dtype, _rand((n, k), torch.float32, dev))
+    return [PackedLinear(dtype, k, (quant.split(dtype, packed.clone(), (n, k)),)) for _ in range(count)]
 
 
 def attention_kernels(device: str, dtype: str) -> list[Kernel]:
@@ -145,8 +178,10 @@ def stage_kernels(spec: ModelSpec, device: str) -> list[Kernel]:
 
     backend = backend_for(spec)
     dtype = spec.weight_dtype
-    dt, dev = TORCH_DTYPES[dtype], torch.device(_torch_device(device))
+    dt, dev = TORCH_DTYPES[compute_dtype(device, dtype)], torch.device(_torch_device(device))
+    backend.dtype = dt        # as run_plan sets it for a quantised plan
     kv_dt = TORCH_DTYPES[spec.kv_dtype]
+    fused = backend.fused() if hasattr(backend, "fused") else {}
     max_tokens = min(spec.max_positions, max(TOKEN_GRID + DECODE_CONTEXTS + PREFILL_PROMPTS))
     kinds = {"embed": "embed", "attn_in": "attn", "attn_out": "attn", "mlp": "mlp", "head": "head"}
     fp = spec.fingerprint()
@@ -157,10 +192,12 @@ def stage_kernels(spec: ModelSpec, device: str) -> list[Kernel]:
         if key not in cache:
             backend.setup(dev, max_tokens)
             specs = backend.block_tensors(_block_name(block_kind), block_kind, _layer(block_kind))
-            nbytes = sum(math.prod(t.shape) for t in specs) * dt.itemsize
-            cache[key] = [{t.local: (torch.ones(t.shape, dtype=dt, device=dev) if "norm" in t.local
-                                     else _rand(t.shape, dt, dev)) for t in specs}
-                          for _ in range(copies(device, nbytes))]
+            if dtype in QUANTISED:
+                cache[key] = _packed_blocks(dtype, specs, dt, dev, fused, getattr(backend, "expert_of", None),
+                                            device)
+            else:
+                nbytes = sum(math.prod(t.shape) for t in specs) * dt.itemsize
+                cache[key] = [{t.local: _initial(t, dt, dev) for t in specs} for _ in range(copies(device, nbytes))]
         return cache[key]
 
     def run(kind, block_kind, weight_sets, inputs, step, kvs=(None,)):
@@ -209,6 +246,34 @@ def stage_kernels(spec: ModelSpec, device: str) -> list[Kernel]:
         w = cost.attention_prefill_work(1, p, spec)
         out.append(Kernel(device, "attention_prefill", dtype, shape_key("attention_prefill", spec),
                           p * (p + 1) / 2, w, f"{device}/{fp}/attention", setup))
+    return out
+
+
+def _initial(t, dt, dev) -> torch.Tensor:
+    """A block tensor's random value (norm weights 1)."""
+    return torch.ones(t.shape, dtype=dt, device=dev) if "norm" in t.local else _rand(t.shape, dt, dev)
+
+
+def _packed_blocks(fmt: str, specs: list, dt, dev, fused: dict, expert_of, device: str) -> list:
+    """Copies (``copies``) of one block as the runtime places a quantised block: its bytes in
+    ``packed_layout`` (linears quantised, the other tensors raw) and a ``PackedView`` over them
+    with its own dequantisation buffer; what a stage computes with (``materialise``)."""
+    from hetplan.runtime.kernels.packed import PackedView, packed_layout, views
+
+    layout = packed_layout(fmt, specs, dt, expert_of)
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
+    linears = [t for t in specs if quant.quantises(t.local, t.shape)]
+    others = [t for t in specs if not quant.quantises(t.local, t.shape)]
+    for (local, off, shape, n), t in zip(layout.packed, linears):
+        flat[off:off + n].copy_(quant.quantise(fmt, _rand(quant.stored_shape(local, shape), torch.float32, dev)))
+    raw = views(flat[layout.raw_offset:].view(layout.raw_dtype), layout.raw, {})
+    for t in others:
+        raw[t.local].copy_(_initial(t, layout.raw_dtype, dev))
+    out = []
+    for i in range(copies(device, layout.nbytes)):
+        mine = flat if i == 0 else flat.clone()
+        buffer = torch.empty(layout.buffer_numel, dtype=dt, device=dev)
+        out.append(PackedView(fmt, mine, layout, buffer, fused).materialise())
     return out
 
 

@@ -6,7 +6,8 @@ least 3, at most 31), and the median and interquartile range recorded. Measured:
 
 - CPU: streaming-read memory bandwidth (a sum over a buffer 8x the last-level cache), the
   dispatch cost of one tiny op, GEMM peak per dtype (fp32, bf16, and fp16 where the CPU runs it
-  at a usable rate), GEMV/GEMM over a standard grid of weight shapes, decode attention over a
+  at a usable rate), GEMV/GEMM over a standard grid of weight shapes (also with the weights in
+  each quantised format, multiplied by the runtime's packed kernels), decode attention over a
   KV cache at several context lengths, causal prefill attention;
 - GPU (when torch sees one): the same plus HBM bandwidth and kernel launch overhead;
 - links (with a GPU): pinned and pageable host->device and device->host copies, 64 KiB-256 MiB;
@@ -31,7 +32,8 @@ import torch
 
 from hetplan.profile.table import Entry, Point, ProfileTable
 from hetplan.runtime.profiler.machine import cache_bytes, load_average, machine_record
-from hetplan.runtime.profiler.kernels import TORCH_DTYPES, attention_kernels, linear_kernels, stage_kernels
+from hetplan.runtime.profiler.kernels import (QUANTISED, TORCH_DTYPES, attention_kernels, compute_dtype,
+                                              linear_kernels, stage_kernels)
 
 MIN_REPEATS, MAX_REPEATS = 3, 31
 LINK_SIZES = tuple(1 << s for s in range(16, 29, 2))
@@ -108,6 +110,7 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
     kernels = [k for device in devices for spec in specs for k in _model_kernels(spec, device, budget)]
     kernels += [k for device in devices for dtype in TORCH_DTYPES
                 for k in linear_kernels(device, dtype) + attention_kernels(device, dtype)]
+    kernels += [k for device in devices for dtype in QUANTISED for k in linear_kernels(device, dtype)]
     steps = len(devices) * (2 + len(TORCH_DTYPES)) + (4 if "gpu" in devices else 0) + 1 + len(kernels)
     with progress(steps) if progress else contextlib.nullcontext() as bar:
         def tick(label):
@@ -122,7 +125,7 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
         if overhead["cpu"]:
             peaks["latency.cpu_task"] = overhead["cpu"]
         tick("cpu task overhead in the runtime")
-        emulated = [k for k in kernels if k.grid and k.dtype not in usable[k.device]]
+        emulated = [k for k in kernels if k.grid and compute_dtype(k.device, k.dtype) not in usable[k.device]]
         for k in emulated:  # standard-grid kernels of a dtype the device emulates (skip recorded)
             tick(_label(k))
         kernels = [k for k in kernels if k not in emulated]
@@ -248,8 +251,11 @@ def _model_kernels(spec, device: str, budget: Budget) -> list:
     runtime will run it so), or none, with the reason, when the runtime cannot execute them."""
     from hetplan.errors import HetplanError
 
-    if spec.weight_dtype not in TORCH_DTYPES:
+    if spec.weight_dtype not in TORCH_DTYPES and spec.weight_dtype not in QUANTISED:
         budget.skip(f"{spec.name} on {device}", f"the runtime has no kernels for {spec.weight_dtype} weights")
+        return []
+    if spec.kv_dtype not in TORCH_DTYPES:
+        budget.skip(f"{spec.name} on {device}", f"a {spec.kv_dtype} KV cache is not profiled")
         return []
     try:
         return stage_kernels(spec, device)
@@ -342,7 +348,7 @@ def _label(k) -> str:
 
 def _estimate_s(k, rates: dict) -> float:
     """Roofline of the kernel on the rates measured so far, x2 for safety, + 0.1 ms."""
-    flops = rates.get((k.device, k.dtype)) or 1e9
+    flops = rates.get((k.device, compute_dtype(k.device, k.dtype))) or 1e9
     bw = rates.get((k.device, "mem")) or 1e9
     return 2 * max(k.work.flops / flops, k.work.bytes / bw) + 1e-4
 
@@ -350,7 +356,7 @@ def _estimate_s(k, rates: dict) -> float:
 def _grid_flops_peaks(entries: dict, peaks: dict) -> None:
     """A device's FLOP peak per dtype is the best rate any of its GEMMs reached."""
     for (device, op, dtype, _), pts in entries.items():
-        if op != "linear":
+        if op != "linear" or dtype in QUANTISED:   # a packed kernel's rate is no arithmetic peak
             continue
         where = "gpus[0]" if device == "gpu" else "cpu"
         best = max(p.flops / p.seconds for p in pts.values())

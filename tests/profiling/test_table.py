@@ -8,6 +8,7 @@ import pytest
 
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.cost import Work, linear_work
+from hetplan.errors import HetplanError
 from hetplan.evaluate import make_plan
 from hetplan.graph import block_graph
 from hetplan.hardware import load_node
@@ -101,7 +102,9 @@ def test_nothing_relevant_measured_means_no_answer():
     bf16 = tiny(weight_dtype="bf16")
     assert t.seconds("cpu", mlp_work(bf16, 1), bf16) is None
     quant = tiny(weight_dtype="q4_0")
-    assert t.seconds("cpu", mlp_work(quant, 1), quant) is None
+    assert t.seconds("gpu", mlp_work(quant, 1), quant) is None   # the GPU was never measured
+    with pytest.raises(HetplanError, match="no measurement of q4_0 weights on the cpu"):
+        t.seconds("cpu", mlp_work(quant, 1), quant)              # the CPU was, but not q4_0's kernels
     assert t.seconds("cpu", Work(flops=1.0, bytes=1.0, op="embed", tokens=1), spec) is None
 
 

@@ -2,8 +2,11 @@
 
 ``module()`` builds the C++ source with torch's extension builder (``-O3 -march=native``;
 ninja and a C++ compiler are needed once) into ``$HETPLAN_CACHE`` (default
-``~/.cache/hetplan``)/kernels/<hash of source, torch version and CPU flags>, and loads the
-cached build afterwards; concurrent first uses wait on one build. It returns None, with the
+``~/.cache/hetplan``)/kernels/<hash of source, torch version and CPU flags>, and afterwards
+imports the cached library directly (no build step, a few milliseconds); concurrent first uses
+wait on one build. The source is compiled from its copy inside that directory, so that
+checkouts at different paths holding the same source share one build instead of each
+rebuilding it over the other's (the build rules name the source's path). It returns None, with the
 reason in ``unavailable()``, where the build fails or ``HETPLAN_NATIVE_KERNELS=0``: callers then
 use the portable torch path (``hetplan.runtime.kernels.linear``).
 """
@@ -18,6 +21,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
+NAME = "hetplan_qmatmul"
+BUILD_SCHEME = b"source copied into the build directory"
+"""Part of the build directory's key: builds made another way are not reused."""
 _state: dict = {}
 
 
@@ -33,7 +39,8 @@ def cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags().encode()
+                         + BUILD_SCHEME).hexdigest()[:16]
     root = Path(os.environ.get("HETPLAN_CACHE", Path.home() / ".cache" / "hetplan"))
     return root / "kernels" / key
 
@@ -45,16 +52,46 @@ def module():
     if os.environ.get("HETPLAN_NATIVE_KERNELS", "1") == "0":
         _state.update(module=None, why="HETPLAN_NATIVE_KERNELS=0")
         return None
-    from torch.utils import cpp_extension
     where = build_dir()
+    built = _import(where / f"{NAME}.so")
+    if built is not None:
+        _state.update(module=built, why=None)
+        return built
+    from torch.utils import cpp_extension
     where.mkdir(parents=True, exist_ok=True)
     try:
-        mod = cpp_extension.load(name="hetplan_qmatmul", sources=[str(SOURCE)], build_directory=str(where),
+        source = where / SOURCE.name
+        if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
+            tmp = where / f".{SOURCE.name}.{os.getpid()}"
+            tmp.write_bytes(SOURCE.read_bytes())
+            os.replace(tmp, source)
+        mod = cpp_extension.load(name=NAME, sources=[str(source)], build_directory=str(where),
                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"], verbose=False)
         _state.update(module=mod, why=None)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs instead
         _state.update(module=None, why=f"the native kernel did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     return _state["module"]
+
+
+def _import(path: Path):
+    """The extension module built at ``path``, or None where there is none yet (or it cannot be
+    imported: a build in progress, a stale file; ``module`` then builds it)."""
+    if not path.is_file():
+        return None
+    import importlib.machinery
+    import importlib.util
+    import sys
+    if NAME in sys.modules:
+        return sys.modules[NAME]
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+        spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+    except ImportError:
+        return None
+    sys.modules[NAME] = mod
+    return mod
 
 
 def unavailable() -> str | None:
