@@ -35,7 +35,8 @@ class Point(Strict):
 class Entry(Strict):
     device: Literal[DEVICES] = Field(description="where it ran")
     op: Literal[OPS] = Field(description="the op measured")
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(description="compute dtype")
+    dtype: Literal["fp32", "bf16", "fp16", "int8", "int4", "q8_0", "q4_0", "q4_k_m"] = Field(
+        description="compute dtype, or the packed weight format a quantised linear or stage was timed in")
     shape: Text = Field(description="weight or attention shape key (d768_f2048_silu_gated, ...)")
     points: Annotated[list[Point], Field(min_length=1)] = Field(description="one per size")
 
