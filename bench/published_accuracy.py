@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit-classes", action="store_true",
                     help="Fit every per-device-class constant of hetplan.presets.device_classes "
                          "(bench/published_fit.py), with leave-one-out errors.")
+    ap.add_argument("--fit-steps", default=None, metavar="S1,S2,...",
+                    help="The descent's multiplicative steps, largest first (default 1.4,1.1).")
     ap.add_argument("--json", type=Path, help="Also write rows (and the fit) as JSON here.")
     ap.add_argument("--keep", type=Path, help="Keep each point's node.yaml, config.json and plan.json here.")
     ap.add_argument("-v", "--verbose", action="store_true", help="Print each hetplan command line.")
@@ -424,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         **{k: r["point"][k] for k in ("value", "unit", "metric", "device_class", "strategy", "setting", "source")}}
         for r in rows]}
     if args.fit_classes:
+        import published_fit
         from published_fit import Fitter, report
+        if args.fit_steps:
+            published_fit.STEPS = tuple(float(x) for x in args.fit_steps.split(","))
         fit = Fitter([r["point"] for r in rows], runner).fit(
             log=lambda line: print(line, file=sys.stderr, flush=True) if args.verbose else None)
         result["fit_classes"] = fit

@@ -28,6 +28,8 @@ SPACE = {"consumer": GPU_KEYS, "datacenter": GPU_KEYS, "desktop": CPU_KEYS, "ser
 BOUNDS = {"gpu_mem": (0.1, 1.0), "cpu_mem": (0.1, 1.0), "link": (0.1, 1.0), "gpu_flops": (0.05, 1.0),
           "cpu_flops": (0.05, 1.0), "gpu_task": (1e-6, 2e-3), "cpu_task": (1e-6, 2e-3), "link_task": (1e-6, 2e-3)}
 STEPS = (1.4, 1.1)
+"""Multiplicative steps of the descent, largest first (``--fit-steps`` overrides: a leave-one-out pass
+from fitted defaults needs only the last)."""
 FAIL_LOSS = math.log(10.0)
 MIN_POINTS = 3
 SENSITIVE = 0.005
