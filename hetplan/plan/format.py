@@ -193,19 +193,10 @@ class Plan:
 
 def _validate(d: dict, source: str, text: str | None) -> None:
     """Refuse a plan that breaks the schema, in one line naming the file, line and key."""
-    from pydantic import ValidationError
-
-    from hetplan.schema.errors import schema_error
+    from hetplan.schema.errors import validate_json
     from hetplan.schema.plan import PlanFile
-    from hetplan.schema.positions import json_line
 
-    try:
-        PlanFile.model_validate(d)
-    except ValidationError as e:
-        raise schema_error(e, PlanFile, source, text, line_of=json_line,
-                           fix="; recompile it with `hetplan compile`") from None
-    except RecursionError:
-        raise HetplanError(f"{source}: nested too deeply to be a plan; recompile it with `hetplan compile`") from None
+    validate_json(PlanFile, d, source, text, "a plan", "; recompile it with `hetplan compile`")
 
 
 def content_digest(d: dict) -> str:

@@ -297,17 +297,10 @@ def load_profile(path: str | Path, check_machine: bool = True) -> ProfileTable:
 
 def _validate(d: dict, source: str, text: str | None) -> None:
     """Refuse a profile that breaks the schema, in one line naming the file, line and key."""
-    from pydantic import ValidationError
-
-    from hetplan.schema.errors import schema_error
-    from hetplan.schema.positions import json_line
+    from hetplan.schema.errors import validate_json
     from hetplan.schema.profile import ProfileFile
 
-    try:
-        ProfileFile.model_validate(d)
-    except ValidationError as e:
-        raise schema_error(e, ProfileFile, source, text, line_of=json_line,
-                           fix="; re-run `hetplan profile`") from None
+    validate_json(ProfileFile, d, source, text, "a profile", "; re-run `hetplan profile`")
 
 
 def _scale(work: Work, entry: Entry, x: float) -> float:

@@ -156,3 +156,16 @@ def _short(value) -> str:
     """``repr(value)``, cut to 60 characters (a whole subtree may be the offending input)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_json(model: type[BaseModel], d, source: str, text: str | None, what: str, fix: str):
+    """``model.model_validate(d)`` for a JSON file, or the one-line error naming the file, line
+    and key (``fix``: what to do, e.g. "; recompile it with `hetplan compile`")."""
+    from hetplan.schema.positions import json_line
+
+    try:
+        return model.model_validate(d)
+    except ValidationError as e:
+        raise schema_error(e, model, source, text, line_of=json_line, fix=fix) from None
+    except RecursionError:
+        raise HetplanError(f"{source}: nested too deeply to be {what}{fix}") from None
