@@ -121,7 +121,8 @@ def test_node_yaml_units_become_si_numbers(tmp_path):
     assert hw.cpu.mem_bytes_per_s == pytest.approx(89.6e9)
     assert hw.h2d_bytes_per_s == 25e9 and hw.d2h_bytes_per_s == 25e9  # d2h defaults to h2d
     assert hw.gpu_budget_bytes() == 23 * 2**30 and hw.cpu_budget_bytes() == 60 * 2**30
-    assert hw.efficiency["link"] == 0.8 and hw.efficiency["gpu_mem"] == 0.85  # default kept
+    from hetplan.presets.device_classes import CLASS_DEFAULTS
+    assert hw.efficiency["link"] == 0.8 and hw.efficiency["gpu_mem"] == CLASS_DEFAULTS["consumer"]["gpu_mem"]  # default kept
 
 
 

@@ -56,13 +56,15 @@ def test_a_native_call_that_never_polls_is_still_ended_by_ctrl_c(tmp_path):
 @pytest.mark.parametrize("old", [None, b"an older plan\n"], ids=["absent", "existing"])
 def test_ctrl_c_during_a_long_compile_leaves_the_target_as_it_was(tmp_path, old):
     routing = tmp_path / "stats.json"
-    subprocess.run([sys.executable, "-m", "hetplan.routing_gen", "qwen3-235b-a22b", "--skew", "1.0", "-o",
+    subprocess.run([sys.executable, "-m", "hetplan.routing_gen", "qwen3-30b-a3b", "--skew", "1.0", "-o",
                     str(routing)], check=True, cwd=ROOT, capture_output=True)
     target = tmp_path / "plan.json"
     if old is not None:
         target.write_bytes(old)
-    child = start([sys.executable, "-m", "hetplan", "compile", "qwen3-235b-a22b", "--hw", "rtx3090-128g",
-                   "--weight-dtype", "q4_k_m", "--routing", str(routing), "-o", str(target)], tmp_path)
+    # a throughput search over batches with a skewed profile: about 20 s of solving on this machine
+    child = start([sys.executable, "-m", "hetplan", "compile", "qwen3-30b-a3b", "--hw", "laptop-8g",
+                   "--weight-dtype", "q4_k_m", "--routing", str(routing), "--objective", "throughput",
+                   "--batch", "64", "--max-nodes", "100000", "-o", str(target)], tmp_path)
     seen = wait_for(child, "solving")
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=120)
