@@ -211,14 +211,16 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
     """Compile ``req`` -> (plan, compile time). Raises InfeasibleError with the missing bytes."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     strategy, arg = parse_strategy(req.strategy)
-    spec, hw = load_inputs(req)
-    routing = load_request_routing(req, spec)
+    with progress.step("reading the model and the node"):
+        spec, hw = load_inputs(req)
+        routing = load_request_routing(req, spec)
     if spec.n_layers > BOUND_FIRST_LAYERS:
         weights_bound(spec, hw, req.weight_dtype == "auto")
     tried = ""
     if req.weight_dtype == "auto":
         native = spec.weight_dtype
-        spec = _auto_dtype(spec, hw, _workload(req), req)
+        with progress.step("choosing the weight dtype (--weight-dtype auto)"):
+            spec = _auto_dtype(spec, hw, _workload(req), req)
         if spec.weight_dtype == AUTO_DTYPES[-1] and native != AUTO_DTYPES[-1] and not any(
                 AUTO_DTYPES[-1] in n for n in req.notes):
             tried = f"--weight-dtype auto tried {', '.join((native,) + AUTO_DTYPES)}: "

@@ -4,10 +4,10 @@ Library code wraps each step that may take seconds in ``step(label)`` (building 
 solving it), says what the step is doing now with ``activity(text)`` (which MILP configuration,
 the last one's incumbent and bound) and may ``note(text)`` a line at once (a running MILP's
 nodes, incumbent and bound). Nothing is shown unless the caller installed a sink with
-``reporting(sink)`` (the CLI prints to stderr); a step's lines start only once it has run
-``QUIET_S`` seconds, so quick commands stay silent, and from then on a heartbeat repeats the
-step's label and activity whenever ``HEARTBEAT_S`` seconds passed without a line, so a long step is
-never silent. ``interruptible()`` lets a solve running in native code notice Ctrl-C: SIGINT sets
+``reporting(sink)`` (the CLI prints to stderr); lines start only once the command has run
+``QUIET_S`` seconds, so quick commands stay silent, and from then on one heartbeat thread prints
+the innermost step's label and activity (or that the command is still working) whenever
+``HEARTBEAT_S`` seconds passed without a line, so a long command is never silent. ``interruptible()`` lets a solve running in native code notice Ctrl-C: SIGINT sets
 a flag that the solver's callback polls. Knows nothing about what the steps are.
 """
 
@@ -22,39 +22,95 @@ import threading
 import time
 
 QUIET_S = 2.0
-"""A step shows progress only after running this long."""
+"""A command shows progress only after running this long (a ``long`` step: at once)."""
 EVERY_S = 2.0
-"""Seconds between two progress lines of one step."""
-HEARTBEAT_S = 1.5
-"""A running step repeats its label after this long without a line (so no silence reaches 2 s,
-the heartbeat's own polling and a loaded machine's scheduling included)."""
+"""Seconds between two progress lines that a running MILP's callback notes."""
+HEARTBEAT_S = 1.0
+"""Once a command has shown progress, the heartbeat prints a line whenever this long passed
+without one, so a loaded machine's scheduling (a few tenths of a second at load 9 on 2 cores)
+still leaves no silence above about 1.5 s."""
 
 _SINK: contextvars.ContextVar = contextvars.ContextVar("hetplan_progress_sink", default=None)
 
 
 class _Sink:
-    """The caller's sink, which remembers when it last printed and what the step is doing."""
+    """The caller's sink: when a line was last printed (by it or, through ``printed()``, by the
+    command itself), which steps are running (innermost last) and what the innermost is doing.
+    Its heartbeat thread is the only one that prints on its own."""
 
     def __init__(self, fn):
         self.fn = fn
         self.lock = threading.Lock()
-        self.last = time.monotonic()
+        self.t0 = self.last = time.monotonic()
+        self.spoken = False
+        """Whether any progress line was printed yet (the heartbeat waits ``QUIET_S`` before the first)."""
         self.activity = ""
+        self.steps: list = []
+        """[label, start time, announced] of each running step, innermost last."""
+        self.stop = threading.Event()
 
     def __call__(self, text: str) -> None:
         with self.lock:
             self.fn(text)
-            self.last = time.monotonic()
+            self.touch()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+        self.spoken = True
+
+    def due_s(self, now: float) -> float:
+        """Seconds until the heartbeat's next line is due (<= 0: now)."""
+        if not self.spoken:
+            return self.t0 + QUIET_S - now
+        return self.last + HEARTBEAT_S - now
+
+    def beat(self) -> None:
+        """Print the innermost step's label (and activity and elapsed time once announced)."""
+        with self.lock:
+            now = time.monotonic()
+            if self.due_s(now) > 0:
+                return
+            if not self.steps:
+                self.fn(f"working ({now - self.t0:.0f} s)")
+            else:
+                entry = self.steps[-1]
+                label, t0, announced = entry
+                if not announced:
+                    self.fn(f"{label} ...")
+                    entry[2] = True
+                else:
+                    doing = f": {self.activity}" if self.activity else ""
+                    self.fn(f"{label}{doing} ({now - t0:.0f} s)")
+            self.touch()
+
+    def run(self) -> None:
+        while not self.stop.wait(max(0.0, min(self.due_s(time.monotonic()), HEARTBEAT_S))):
+            self.beat()
 
 
 @contextlib.contextmanager
 def reporting(sink):
-    """Send progress lines to ``sink(text)`` inside the block."""
-    token = _SINK.set(_Sink(sink))
+    """Send progress lines to ``sink(text)`` inside the block, with a heartbeat that never lets
+    a command that has run ``QUIET_S`` go ``HEARTBEAT_S`` without a line."""
+    s = _Sink(sink)
+    token = _SINK.set(s)
+    beat = threading.Thread(target=s.run, name="hetplan-progress", daemon=True)
+    beat.start()
     try:
         yield
     finally:
+        s.stop.set()
+        beat.join()
         _SINK.reset(token)
+
+
+def printed() -> None:
+    """The command printed a progress line of its own (a terminal progress bar, exec's layer
+    counts): the heartbeat starts counting silence again."""
+    sink = _SINK.get()
+    if sink is not None:
+        with sink.lock:
+            sink.touch()
 
 
 def note(text: str) -> None:
@@ -101,6 +157,10 @@ class Interrupt:
 GRACE_S = 0.5
 """How long native code inside ``interruptible()`` has to notice Ctrl-C before the process ends
 without it (a solver's presolve polls no callback)."""
+CANCEL_GRACE_S = 0.2
+"""The same inside ``cancellable()``: its blocks write nothing, so ending in the middle of a
+native call (a long torch op) loses nothing; the grace only lets Python's own KeyboardInterrupt
+win when the call was about to return."""
 
 
 @contextlib.contextmanager
@@ -135,15 +195,15 @@ def cancellable():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    with _watchdog(Interrupt()):
+    with _watchdog(Interrupt(), CANCEL_GRACE_S):
         yield
 
 
 @contextlib.contextmanager
-def _watchdog(flag: Interrupt):
+def _watchdog(flag: Interrupt, grace_s: float = GRACE_S):
     """Python sees a signal only when the main thread runs Python again, which a long native call
     delays; a watcher thread learns of SIGINT at once through ``signal.set_wakeup_fd``, sets
-    ``flag.requested``, and if the block has not ended ``GRACE_S`` later, the process exits there
+    ``flag.requested``, and if the block has not ended ``grace_s`` later, the process exits there
     with code 130 and the CLI's one line. That is safe because the blocks guarded write nothing,
     and every file hetplan writes is renamed into place whole."""
     left = threading.Event()
@@ -155,7 +215,7 @@ def _watchdog(flag: Interrupt):
             ready, _, _ = select.select([read_fd], [], [], 0.1)
             if ready and signal.SIGINT in os.read(read_fd, 64):
                 flag.requested = True
-                if not left.wait(GRACE_S):
+                if not left.wait(grace_s):
                     # a progress line on a terminal may be open: end it first
                     os.write(2, (b"\n" if os.isatty(2) else b"") + b"hetplan: interrupted; nothing was written\n")
                     os._exit(130)
@@ -175,32 +235,22 @@ def _watchdog(flag: Interrupt):
 
 @contextlib.contextmanager
 def step(label: str, long: bool = False):
-    """A step that says ``label`` if it is still running after ``QUIET_S`` seconds (at once when
-    it is known to be ``long``), then repeats it with its activity and elapsed time whenever
-    ``HEARTBEAT_S`` seconds passed without a line."""
+    """A step: the heartbeat says ``label`` once the command has run ``QUIET_S`` (at once when the
+    step is known to be ``long``), then repeats it with its activity and elapsed time whenever
+    ``HEARTBEAT_S`` passed without a line. Steps nest; the innermost is the one shown."""
     sink = _SINK.get()
     if sink is None:
         yield
         return
-    done = threading.Event()
-    t0 = time.monotonic()
-    sink.activity = ""
-
-    def heartbeat():
-        if not long and done.wait(QUIET_S):
-            return
+    entry = [label, time.monotonic(), long]
+    with sink.lock:
+        outer_activity, sink.activity = sink.activity, ""
+        sink.steps.append(entry)
+    if long:
         sink(f"{label} ...")
-        while not done.wait(0.25):
-            now = time.monotonic()
-            if now - sink.last >= HEARTBEAT_S:
-                doing = f": {sink.activity}" if sink.activity else ""
-                sink(f"{label}{doing} ({now - t0:.0f} s)")
-
-    beat = threading.Thread(target=heartbeat, name="hetplan-progress", daemon=True)
-    beat.start()
     try:
         yield
     finally:
-        done.set()
-        beat.join()
-        sink.activity = ""
+        with sink.lock:
+            sink.steps.remove(entry)
+            sink.activity = outer_activity

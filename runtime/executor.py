@@ -171,10 +171,15 @@ class Executor:
             torch.set_num_threads(want)
         try:
             self._lane(run, self.home[phase])
+            for ev in finished:
+                ev.wait()
+        except KeyboardInterrupt as e:  # the process is ending: stop the lanes, wait for none of them
+            run.fail(e)
+            raise
         except BaseException as e:  # noqa: BLE001 - handed to the other lanes, re-raised below
             run.fail(e)
-        for ev in finished:
-            ev.wait()
+            for ev in finished:
+                ev.wait()
         self.devices.synchronize()
         if run.error is not None:
             run.clear()
@@ -293,15 +298,18 @@ class Executor:
             finally:
                 finished.set()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """End the worker threads; ``wait=False`` (Ctrl-C) does not wait for one that is in the
+        middle of a task (they are daemon threads, and the process is ending)."""
         torch.set_num_threads(self._caller_threads)
         for jobs, th in self._threads.values():
             jobs.put(None)
-            th.join()
+            if wait:
+                th.join()
         self._threads.clear()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(wait=exc_type is not KeyboardInterrupt)

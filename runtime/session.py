@@ -175,17 +175,22 @@ def run_plan(plan: Plan, opts: RunOptions, progress=None) -> RunResult:
             from hetplan.runtime.models.moe.layer import RoutingRecorder
             backend.recorder = RoutingRecorder(spec)
 
+    interrupted = False
     try:
         with torch.inference_mode(), Executor(programs, backend, residency, devices, opts.trace,
                                               progress=progress) as ex:
             run = _generate(ex, programs, devices, ids, gen_len, opts, progress, after_warmup,
                             wl.prefill_chunk or 0)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     except torch.cuda.OutOfMemoryError:
         raise HetplanError(f"GPU memory budget exceeded: the run needed more than the plan's budget of "
                            f"{plan.memory['gpu_budget_bytes'] / 2**30:.2f} GiB (the allocator is capped at it); "
                            f"the plan does not fit the GPU it was compiled for: recompile it") from None
     finally:
-        devices.close()
+        if not interrupted:  # Ctrl-C ends the process, and its exit releases the pinned buffers
+            devices.close()
 
     batch = ids.shape[0]
     tpot_s = sum(run.step_s) / len(run.step_s) if run.step_s else None

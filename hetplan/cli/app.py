@@ -28,6 +28,10 @@ _COMMANDS = {
 }
 
 
+class _Interrupted(Exception):
+    """Ctrl-C during a command."""
+
+
 class _LazyGroup(click.Group):
     def list_commands(self, ctx):
         return list(_COMMANDS)
@@ -37,6 +41,12 @@ class _LazyGroup(click.Group):
             return None
         module = importlib.import_module(_COMMANDS[name][0])
         return module.command
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None  # past click, which would print a blank line off a terminal too
 
     def format_commands(self, ctx, formatter):
         with formatter.section("Commands"):
@@ -59,7 +69,14 @@ multi-gigabyte CUDA build onto a machine without a GPU."""
 
 
 def require_torch(command: str) -> None:
-    """Refuse ``command`` with the install lines when torch cannot be imported."""
+    """Refuse ``command`` with the install lines when torch cannot be imported.
+
+    Before the import, torch's CPU allocator is asked for transparent huge pages on allocations
+    of 2 MiB and more (``THP_MEM_ALLOC_ENABLE``, read once at the first allocation; a value the
+    user set is kept): weights and caches then take 512 times fewer pages, and a process holding
+    gigabytes exits on Ctrl-C in tens of milliseconds instead of the kernel freeing 4 KiB pages
+    for a second on a loaded machine (bench/responsiveness.py)."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -107,9 +124,8 @@ def _main(argv=None) -> int:
     except HetplanError as e:
         click.echo(f"hetplan: error: {e}", err=True)
         return EXIT_USER
-    except click.exceptions.Abort:
-        click.echo("hetplan: interrupted; nothing was written", err=True)
-        return EXIT_INTERRUPTED
+    except (click.exceptions.Abort, KeyboardInterrupt, _Interrupted):
+        return _interrupted()
     except click.UsageError as e:  # a bad option or argument: one line, like every other mistake
         command = e.ctx.command_path if e.ctx is not None else "hetplan"
         click.echo(f"hetplan: error: {e.format_message()} (see `{command} --help`)", err=True)
@@ -119,9 +135,6 @@ def _main(argv=None) -> int:
         return EXIT_USER
     except click.exceptions.Exit as e:
         return e.exit_code
-    except KeyboardInterrupt:
-        click.echo("hetplan: interrupted; nothing was written", err=True)
-        return EXIT_INTERRUPTED
     except Exception as e:  # a bug: one line, never a traceback (HETPLAN_TRACEBACK=1 shows it)
         if os.environ.get("HETPLAN_TRACEBACK"):
             raise
@@ -131,6 +144,12 @@ def _main(argv=None) -> int:
                    err=True)
         return EXIT_INTERNAL
     return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(code) lands here
+
+
+def _interrupted() -> int:
+    # on a terminal, end the line that holds the ^C echo (or a progress line) first
+    click.echo(("\n" if sys.stderr.isatty() else "") + "hetplan: interrupted; nothing was written", err=True)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import click
 
 from hetplan.errors import HetplanError
 from hetplan.plan.check import check_plan, plan_paths
+from hetplan.progress import step
 
 _EPILOG = """\b
 Examples:
@@ -36,8 +37,9 @@ def command(paths, tolerance, allow_placement_change, update):
     counts = {"OK": 0, "UPDATED": 0, "FAIL": 0, "ERROR": 0}
     for path in plan_paths(paths):
         try:
-            res = check_plan(path, tolerance=tolerance, allow_placement_change=allow_placement_change,
-                             update=update)
+            with step(f"checking {path}"):
+                res = check_plan(path, tolerance=tolerance, allow_placement_change=allow_placement_change,
+                                 update=update)
         except HetplanError as e:  # unreadable plan: report it and check the others
             counts["ERROR"] += 1
             click.echo(f"ERROR {path}: {e}")

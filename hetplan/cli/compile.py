@@ -121,12 +121,12 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     plan, took = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)
-    write_atomic(output, plan.to_json(), option="-o")
     rows = None
     if compare:
         from hetplan.plan.compare import compare as compare_plans
         from hetplan.plan.compare import compare_dicts
         rows = compare_dicts(compare_plans(plan, req))
+    write_atomic(output, plan.to_json(), option="-o")  # last: Ctrl-C before it leaves nothing written
     if as_json:
         doc = {"path": str(output), "predicted": plan.predicted, "memory": plan.memory,
                "solver": dict(plan.solver, solve_seconds=took.solve_s, compile_seconds=took.wall_s,

@@ -11,7 +11,7 @@ from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
 from hetplan.files import writable_target
 from hetplan.plan import load_plan, write_atomic
-from hetplan.progress import activity, cancellable, step
+from hetplan.progress import activity, cancellable, printed, step
 from hetplan.units import format_bytes, format_seconds
 
 
@@ -38,10 +38,12 @@ class _Progress:
             click.echo(f"\r\033[K{line}", err=True, nl=False)
             if done == total:
                 click.echo("", err=True)
+            printed()
             return
         mark = (stage, done * 4 // max(1, total) if stage != "loading" else done == total)
         if mark != self.last:
             click.echo(line, err=True)
+            printed()
             self.last = mark
 
 

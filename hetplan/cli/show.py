@@ -7,6 +7,7 @@ import click
 from hetplan.plan import load_plan
 from hetplan.plan.report import render_show
 from hetplan.plan.timeline import write_timeline, write_trace
+from hetplan.progress import step
 
 _EPILOG = """\b
 Examples:
@@ -31,8 +32,10 @@ def command(plan_path, timeline, trace):
     plan = load_plan(plan_path)
     click.echo(render_show(plan), nl=False)
     if timeline:
-        write_timeline(plan, timeline)
+        with step(f"drawing the timeline {timeline}"):
+            write_timeline(plan, timeline)
         click.echo(f"\nwrote timeline {timeline}")
     if trace:
-        write_trace(plan, trace)
+        with step(f"writing the trace {trace}"):
+            write_trace(plan, trace)
         click.echo(f"wrote trace {trace}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetplan import progress
 from hetplan.compiler import COUNTED, CompileRequest, decide
 from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Plan
@@ -75,12 +76,14 @@ def compare(plan: Plan, req: CompileRequest) -> list:
     ``MOE_BASELINE_ORDER``) on the plan's problem."""
     from hetplan.routing import routing_of_plan
 
-    problem = build_problem(plan.model, plan.hardware, plan.workload, routing=routing_of_plan(plan))
-    rows = [Candidate(plan.solver["strategy"], plan, {} if fits(plan) else missing_bytes(plan), chosen=True)]
     names = BASELINE_ORDER + (MOE_BASELINE_ORDER if plan.model.is_moe else ())
-    for name in names:
-        rows.append(best_count(problem, req, name) if name in COUNTED
-                    else _baseline(problem, name, None, req))
+    with progress.step(f"comparing with {len(names)} baselines"):
+        problem = build_problem(plan.model, plan.hardware, plan.workload, routing=routing_of_plan(plan))
+        rows = [Candidate(plan.solver["strategy"], plan, {} if fits(plan) else missing_bytes(plan), chosen=True)]
+        for i, name in enumerate(names):
+            progress.activity(f"{i + 1}/{len(names)} {name}")
+            rows.append(best_count(problem, req, name) if name in COUNTED
+                        else _baseline(problem, name, None, req))
     return rows
 
 
