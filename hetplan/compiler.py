@@ -79,10 +79,12 @@ class CompileRequest:
 
 
 def parse_strategy(text: str) -> tuple[str, int | None]:
-    name, _, arg = text.partition(":")
+    name, colon, arg = text.partition(":")
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
                            f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N], ktransformers")
+    if colon and not arg:
+        raise HetplanError(f"--strategy {text}: N is missing after ':'; give {name}:N or {name} alone")
     if arg and name not in COUNTED:
         raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo and n-cpu-moe take an argument (ngl:N, ngl-nkvo:N, n-cpu-moe:N)")
     if arg:

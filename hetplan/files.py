@@ -32,6 +32,8 @@ def read_text(path: str | Path, missing: str, expected: str, fix: str = "") -> s
     file", for a file that is not text)."""
     p = Path(path)
     if not p.is_file():
+        if p.exists():  # never open a FIFO or a device: reading one blocks or never ends
+            raise HetplanError(f"{p}: is {kind_of(p.stat().st_mode)}, not a file; expected {expected}{fix}")
         raise HetplanError(f"{p}: no such {missing}")
     try:
         return p.read_bytes().decode("utf-8")
@@ -41,11 +43,21 @@ def read_text(path: str | Path, missing: str, expected: str, fix: str = "") -> s
         raise HetplanError(f"{p}: not a text file (it is not UTF-8); expected {expected}{fix}") from None
 
 
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular file is, in words ("a directory", "a FIFO", ...)."""
+    return ("a directory" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+
+
 def parse_json(text: str, path: str | Path, fix: str = "") -> object:
     """Parse JSON ``text`` read from ``path``; errors say where (line:column)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
+        if Path(path).suffix.lower() in (".yaml", ".yml"):  # a node.yaml given where JSON belongs
+            raise HetplanError(f"{path}: is YAML (a node.yaml goes to --hw), not the JSON file expected "
+                               f"here") from None
         raise HetplanError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}{fix}") from None
     except RecursionError:
         raise HetplanError(f"{path}: JSON nested too deeply to be a hetplan file{fix}") from None
@@ -58,6 +70,9 @@ def writable_target(path: str | Path, option: str = "output") -> Path:
     p = Path(path)
     if str(path) == "":
         raise HetplanError(f"{option}: empty file name; give a path such as plan.json")
+    if str(path) == "-":
+        raise HetplanError(f"{option} -: hetplan writes files, not standard output; give a file path "
+                           f"(compile --json prints the summary on stdout)")
     target = Path(os.path.realpath(p)) if p.is_symlink() else p
     try:
         st = os.stat(target)
@@ -66,10 +81,7 @@ def writable_target(path: str | Path, option: str = "output") -> Path:
     except OSError as e:
         raise HetplanError(f"{option} {path}: cannot use this path ({e.strerror})") from None
     if st is not None and not stat.S_ISREG(st.st_mode):
-        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                or stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-        raise HetplanError(f"{option} {path}: is {kind}; hetplan writes only regular files: "
+        raise HetplanError(f"{option} {path}: is {kind_of(st.st_mode)}; hetplan writes only regular files: "
                            f"give a file path")
     parent = target.parent
     if not parent.is_dir():

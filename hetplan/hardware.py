@@ -136,6 +136,10 @@ def load_node(source: str) -> HardwareSpec:
         text = NODE_PRESETS[source]
         return parse_node(yaml.safe_load(text), source=f"preset {source}", text=text)
     p = Path(source)
+    if p.exists() and not p.is_file():
+        from hetplan.files import kind_of
+        raise HetplanError(f"--hw {source!r}: is {kind_of(p.stat().st_mode)}, not a node.yaml; give a node.yaml "
+                           f"path or a preset")
     if not p.is_file():
         raise HetplanError(f"--hw {source!r}: not a preset and no such file; known presets: "
                            f"{', '.join(sorted(NODE_PRESETS))} (or pass a node.yaml path)")

@@ -16,8 +16,8 @@ from hetplan.errors import HetplanError
 def parse_prompt_ids(text: str) -> tuple:
     """``1,2,3`` (one sequence) or ``1,2,3;4,5,6`` (one per sequence) -> tuple of tuples."""
     try:
-        seqs = tuple(tuple(int(x) for x in part.split(",") if x.strip()) for part in text.split(";"))
-    except ValueError:
+        seqs = tuple(tuple(int(x) for x in part.split(",")) for part in text.split(";"))
+    except ValueError:  # also an empty item: "1,,2", "1,"
         raise HetplanError(f"--prompt-ids {text!r}: expected comma-separated integers, sequences "
                            f"separated by ';' (e.g. 1,2,3 or 1,2;3,4)") from None
     if not seqs or any(not s for s in seqs):

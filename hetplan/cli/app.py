@@ -28,6 +28,20 @@ _COMMANDS = {
 }
 
 
+class _NonEmpty(click.ParamType):
+    """A text value that is not empty: ``--cpu-mem ''`` or ``-o ''`` is a mistake, never "the
+    default" nor "the current directory"."""
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("must not be empty (give a value, or leave the option out for its default)", param, ctx)
+        return value
+
+
+NONEMPTY = _NonEmpty()
+
+
 class _Interrupted(Exception):
     """Ctrl-C during a command."""
 
@@ -40,6 +54,9 @@ class _LazyGroup(click.Group):
         if name not in _COMMANDS:
             return None
         module = importlib.import_module(_COMMANDS[name][0])
+        for param in module.command.params:  # every text flag and argument of every command
+            if param.type is click.STRING:
+                param.type = NONEMPTY
         return module.command
 
     def invoke(self, ctx):
@@ -122,16 +139,16 @@ def _main(argv=None) -> int:
         with progress.reporting(lambda text: click.echo(f"hetplan: progress: {text}", err=True)):
             rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
     except HetplanError as e:
-        click.echo(f"hetplan: error: {e}", err=True)
+        click.echo(f"hetplan: error: {one_line(str(e))}", err=True)
         return EXIT_USER
     except (click.exceptions.Abort, KeyboardInterrupt, _Interrupted):
         return _interrupted()
     except click.UsageError as e:  # a bad option or argument: one line, like every other mistake
         command = e.ctx.command_path if e.ctx is not None else "hetplan"
-        click.echo(f"hetplan: error: {e.format_message()} (see `{command} --help`)", err=True)
+        click.echo(f"hetplan: error: {one_line(e.format_message())} (see `{command} --help`)", err=True)
         return EXIT_USER
     except click.ClickException as e:
-        click.echo(f"hetplan: error: {e.format_message()}", err=True)
+        click.echo(f"hetplan: error: {one_line(e.format_message())}", err=True)
         return EXIT_USER
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -139,11 +156,18 @@ def _main(argv=None) -> int:
         if os.environ.get("HETPLAN_TRACEBACK"):
             raise
         where = traceback.extract_tb(e.__traceback__)[-1]
-        click.echo(f"hetplan: internal error: {type(e).__name__}: {str(e)[:300]} (at "
+        click.echo(f"hetplan: internal error: {type(e).__name__}: {one_line(str(e))[:300]} (at "
                    f"{Path(where.filename).name}:{where.lineno}); this is a bug in hetplan, {_REPORT}",
                    err=True)
         return EXIT_INTERNAL
     return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(code) lands here
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line, printable: control characters (a file name holding a newline) as
+    escapes, and characters a file name can carry but no terminal can print (bytes that were
+    not UTF-8) as ``\\udcXX``."""
+    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
 
 
 def _interrupted() -> int:

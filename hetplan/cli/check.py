@@ -32,8 +32,8 @@ def command(paths, tolerance, allow_placement_change, update):
     Prints one OK line per plan that passes. A plan fails when a predicted time got worse than
     the tolerance, it no longer fits in memory, or its placement changed; the command then prints
     what differs and exits with status 1."""
-    if not tolerance >= 0:
-        raise HetplanError(f"--tolerance: must be >= 0, got {tolerance}")
+    if not 0 <= tolerance < float("inf"):  # also refuses nan
+        raise HetplanError(f"--tolerance: must be a finite fraction >= 0 (0.01 = 1%), got {tolerance}")
     counts = {"OK": 0, "UPDATED": 0, "FAIL": 0, "ERROR": 0}
     for path in plan_paths(paths):
         try:

@@ -109,6 +109,9 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
         raise click.BadParameter("must be a relative gap in [0, 1), e.g. 1e-4", param_hint="--mip-gap")
     if prefill_chunk is not None and prefill_chunk <= 0:
         raise click.BadParameter("must be a positive number of tokens", param_hint="--prefill-chunk")
+    if prefill_chunk is not None and 0 < prompt_len < prefill_chunk:
+        raise click.BadParameter(f"{prefill_chunk} tokens is more than the prompt ({prompt_len}); give at most "
+                                 f"{prompt_len} (the whole prompt in one chunk)", param_hint="--prefill-chunk")
     req = CompileRequest(model=model, hw=hw, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
                          prefill_chunk=prefill_chunk,
                          objective=objective, strategy=strategy, weight_dtype=weight_dtype,

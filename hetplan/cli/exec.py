@@ -52,7 +52,7 @@ class _Progress:
 @click.option("--weights", default=None, help="Checkpoint directory (safetensors), a .gguf file, or 'random'.")
 @click.option("--model", "model_path", default=None,
               help="For a plan compiled from an .onnx model: the graph to run (default: the path in the plan).")
-@click.option("--seed", default=0, show_default=True, type=int,
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
               help="Seeds random weights, the default prompt and sampling.")
 @click.option("--prompt", default=None, help="Prompt text (needs a tokenizer beside the weights).")
 @click.option("--prompt-ids", default=None, help="Prompt token ids: 1,2,3 (or 1,2;3,4 per sequence).")

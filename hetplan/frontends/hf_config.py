@@ -15,7 +15,7 @@ from hetplan.errors import HetplanError
 from hetplan.files import parse_json, read_text
 from hetplan.model import FAMILIES, ModelSpec
 from hetplan.schema.config import HfConfig, near_miss, typo_message
-from hetplan.schema.errors import schema_error
+from hetplan.schema.errors import looks_like, schema_error
 from hetplan.schema.positions import json_line
 
 _ALIASES = {"mistral": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "opt": "opt",
@@ -56,6 +56,9 @@ def spec_from_config(cfg: dict, name: str | None = None, source: str = "config.j
     if typo:
         line = json_line(text, (typo[0],)) if text is not None else None
         raise HetplanError(f"{source}{f':{line}' if line else ''}: {typo_message(*typo)}")
+    if "model_type" not in cfg and looks_like(cfg):
+        raise HetplanError(f"{source}: no model_type{looks_like(cfg)}; MODEL is a config.json, a preset, an "
+                           f".onnx or a .gguf file")
     try:
         HfConfig.model_validate(cfg)
     except ValidationError as e:

@@ -183,11 +183,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan.json", verify: bool = True) -> "Plan":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise HetplanError(f"{source}:{e.lineno}:{e.colno}: malformed JSON ({e.msg}); the plan "
-                               f"may be truncated: recompile it") from None
+        from hetplan.files import parse_json
+
+        d = parse_json(text, source, "; the plan may be truncated: recompile it")
         return cls.from_dict(d, source, verify, text=text)
 
 

@@ -127,7 +127,8 @@ def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: s
                            and tuple(x["loc"][:-1]) == tuple(first["loc"][:-1])})
         inside = f" in '{dotted(loc[:-1])}'" if loc[:-1] else ""
         accepted = sorted(fields_of(parent)) if parent else []
-        return HetplanError(f"{where}: unknown keys {siblings}{inside}; accepted: {accepted}{fix}")
+        other = "" if loc[:-1] else looks_like(siblings)
+        return HetplanError(f"{where}: unknown keys {siblings}{inside}; accepted: {accepted}{other}{fix}")
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         from hetplan.schema.node import range_of
 
@@ -150,6 +151,25 @@ def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: s
                                             "finite_number", "bool_parsing", "int_from_float"):
         msg = f"{msg[0].lower()}{msg[1:]}, got {_short(first.get('input'))}"
     return HetplanError(f"{where}: {key}: {msg}{more}{fix}")
+
+
+KINDS = (
+    ({"schema_version", "digest", "placement"}, "a plan written by `hetplan compile`"),
+    ({"model_type"}, "a model's config.json (it goes as MODEL to `hetplan compile`)"),
+    ({"gpus", "cpu", "links"}, "a node.yaml (it goes to --hw)"),
+    ({"model_fingerprint", "layers"}, "routing statistics (they go to --routing)"),
+    ({"machine", "entries"}, "a node.profile.json (a node.yaml names it under profile:)"),
+    ({"traceEvents"}, "a trace written by --trace"),
+)
+"""Key sets that give away which hetplan file a document is."""
+
+
+def looks_like(keys) -> str:
+    """" (the file looks like a plan ...)" when the top-level ``keys`` are another kind's, else ""."""
+    for marks, kind in KINDS:
+        if marks <= set(keys):
+            return f" (the file looks like {kind})"
+    return ""
 
 
 def _short(value) -> str:

@@ -249,21 +249,45 @@ CASES = [
     ("exec-infinite-temperature", ["exec", "plan.json", "--weights", "random", "--temperature", "inf"], {},
      "--temperature"),
     ("profile-absurd-budget", ["profile", "--budget", "100000000m"], {}, "--budget"),
+    # -- classes: empty values, '-' for a file, paths that print on two lines, files that are
+    #    not files, another hetplan file where one kind is expected, numbers out of range -------
+    ("empty-size-flag", COMPILE + ["--cpu-mem", ""], {}, "must not be empty"),
+    ("empty-dtype-flag", COMPILE + ["--weight-dtype", ""], {}, "must not be empty"),
+    ("empty-weights", ["exec", "plan.json", "--weights", ""], {}, "must not be empty"),
+    ("empty-profile-out", ["profile", "--out", "", "--budget", "5s"], {}, "must not be empty"),
+    ("empty-model-argument", ["compile", "", "--hw", "node.yaml", "-o", "out.json"], {}, "must not be empty"),
+    ("output-dash", COMPILE + ["-o", "-"], {}, "not standard output"),
+    ("trace-dash", ["exec", "plan.json", "--weights", "random", "--trace", "-"], {}, "not standard output"),
+    ("profile-out-dash", ["profile", "--out", "-", "--budget", "5s"], {}, "not standard output"),
+    ("timeline-dash", ["show", "plan.json", "--trace", "-"], {}, "not standard output"),
+    ("output-newline-in-path", COMPILE + ["-o", "a\nb/p.json"], {}, "a\\nb"),
+    ("model-not-utf8-name", ["compile", "\udcff.json", "--hw", "node.yaml", "-o", "out.json"], {}, "\\udcff"),
+    ("show-a-directory", ["show", "sub"], {"sub/keep.txt": "x"}, "is a directory, not a file"),
+    ("show-a-fifo", ["show", "pipe"], {"pipe": "FIFO"}, "is a FIFO, not a file"),
+    ("model-a-fifo", ["compile", "pipe", "--hw", "node.yaml", "-o", "out.json"], {"pipe": "FIFO"}, "is a FIFO"),
+    ("hw-a-fifo", ["compile", "config.json", "--hw", "pipe", "-o", "out.json"], {"pipe": "FIFO"}, "is a FIFO"),
+    ("hw-a-directory", ["compile", "config.json", "--hw", "sub", "-o", "out.json"], {"sub/keep.txt": "x"},
+     "is a directory"),
+    ("routing-a-fifo", COMPILE_MOE + ["--routing", "pipe"], {"pipe": "FIFO"}, "is a FIFO"),
+    ("hw-is-a-plan", ["compile", "config.json", "--hw", "plan.json", "-o", "out.json"], {}, "looks like a plan"),
+    ("routing-is-a-plan", COMPILE_MOE + ["--routing", "plan.json"], {}, "looks like a plan"),
+    ("routing-is-a-config", COMPILE_MOE + ["--routing", "moe.json"], {}, "looks like a model's config.json"),
+    ("model-is-a-plan", ["compile", "plan.json", "--hw", "node.yaml", "-o", "out.json"], {}, "looks like a plan"),
+    ("show-a-node-yaml", ["show", "node.yaml"], {}, "is YAML"),
+    ("exec-a-node-yaml", ["exec", "node.yaml", "--weights", "random"], {}, "is YAML"),
+    ("check-a-node-yaml", ["check", "node.yaml"], {}, "could not be checked"),
+    ("prefill-chunk-beyond-prompt", COMPILE + ["--prefill-chunk", "99999999999"], {}, "more than the prompt"),
+    ("strategy-colon-without-count", COMPILE + ["--strategy", "ngl:"], {}, "N is missing"),
+    ("check-infinite-tolerance", ["check", "plan.json", "--tolerance", "inf"], {}, "finite"),
+    ("exec-seed-too-large", ["exec", "plan.json", "--weights", "random", "--seed", str(2**70)], {}, "--seed"),
+    ("exec-negative-seed", ["exec", "plan.json", "--weights", "random", "--seed", "-1"], {}, "--seed"),
+    ("exec-empty-prompt-id", ["exec", "plan.json", "--weights", "random", "--prompt-ids", "1,,2"], {}, "--prompt-ids"),
+    ("exec-trailing-comma-prompt", ["exec", "plan.json", "--weights", "random", "--prompt-ids", "1,"], {},
+     "--prompt-ids"),
+    ("batch-not-an-integer", COMPILE + ["--batch", "1e3"], {}, "--batch"),
+    ("gpu-mem-a-rate", COMPILE + ["--gpu-mem", "20GB/s"], {}, "--gpu-mem"),
+    ("gpu-mem-infinite", COMPILE + ["--gpu-mem", "1e400GiB"], {}, "--gpu-mem"),
 ]
-
-
-@pytest.fixture(scope="module")
-def good_plan(tmp_path_factory, ) -> str:
-    folder = tmp_path_factory.mktemp("good")
-    populate(folder)
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        from hetplan.cli import main
-        assert main(["compile", "config.json", "--hw", "node.yaml", "-o", "plan.json"]) == 0
-    finally:
-        os.chdir(cwd)
-    return (folder / "plan.json").read_text()
 
 
 def test_the_table_covers_every_command_with_at_least_80_mistakes():

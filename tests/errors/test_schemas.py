@@ -66,19 +66,9 @@ def line_of(text: str, needle: str, nth: int = 1) -> int:
     return hits[nth - 1]
 
 
-@pytest.fixture(scope="module")
-def plan_doc(tmp_path_factory) -> dict:
-    folder = tmp_path_factory.mktemp("plan")
-    populate(folder)
-    from hetplan.cli import main
-    import os
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        assert main(["compile", "config.json", "--hw", "node.yaml", "-o", "plan.json"]) == 0
-    finally:
-        os.chdir(cwd)
-    return json.loads((folder / "plan.json").read_text())
+@pytest.fixture
+def plan_doc(good_plan) -> dict:
+    return json.loads(good_plan)
 
 
 def rewrite(doc: dict, edit) -> str:
