@@ -11,6 +11,7 @@ import dataclasses
 
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.problem import Problem, build_problem
+from hetplan.schema.fields import BYTES_MAX
 from hetplan.units import format_bytes
 
 
@@ -62,8 +63,22 @@ def fixes(problem: Problem, strategy: str = "ilp") -> list:
         + problem.gpu_workspace_bytes
     more = need - problem.gpu_budget_bytes - problem.cpu_budget_bytes
     if more > 0:
-        out.append(f"--cpu-mem {_round_up_gib(problem.cpu_budget_bytes + more)} (if the machine has that much DRAM)")
+        out += _more_dram(problem, more)
     return out
+
+
+def _more_dram(problem: Problem, more: float) -> list:
+    """The DRAM fix for ``more`` missing bytes: ``--cpu-mem`` while the node's DRAM holds the larger
+    budget (its reserve shrinks), else a machine with that much DRAM (``--cpu-mem`` may not exceed
+    the node's memory, so suggesting it would not work); none beyond any machine."""
+    cpu = problem.hw.cpu
+    budget = problem.cpu_budget_bytes + more
+    if cpu is not None and -(-int(budget) // 2**30) * 2**30 <= cpu.memory_bytes:  # as rounded up
+        return [f"--cpu-mem {_round_up_gib(budget)}"]
+    total = (cpu.memory_bytes if cpu is not None else 0) + more
+    if total > BYTES_MAX:
+        return []
+    return [f"a machine with {_round_up_gib(total)} of DRAM (node.yaml cpu.memory: {_round_up_gib(total)})"]
 
 
 KV_DTYPES = ("q8_0", "q4_0")

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hetplan.errors import HetplanError
+from hetplan.schema.fields import DIM_MAX
 
 OBJECTIVES = ("latency", "ttft", "tpot", "throughput")
 
@@ -26,13 +27,13 @@ class Workload:
     prompt at once, what plans written before chunked prefill mean)."""
 
     def __post_init__(self):
-        for key in ("batch", "prompt_len", "gen_len"):
+        for key in ("batch", "prompt_len", "gen_len", "prefill_chunk"):
             v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise HetplanError(f"--{key.replace('_', '-')}: must be a positive integer, got {v!r}")
-        c = self.prefill_chunk
-        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c <= 0):
-            raise HetplanError(f"--prefill-chunk: must be a positive integer, got {c!r}")
+            if key == "prefill_chunk" and v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= DIM_MAX:  # plan.json's bound
+                raise HetplanError(f"--{key.replace('_', '-')}: must be a positive integer, at most {DIM_MAX}, "
+                                   f"got {v!r}")
         if self.objective not in OBJECTIVES:
             raise HetplanError(f"--objective: {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
 

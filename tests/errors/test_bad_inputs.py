@@ -287,6 +287,10 @@ CASES = [
     ("batch-not-an-integer", COMPILE + ["--batch", "1e3"], {}, "--batch"),
     ("gpu-mem-a-rate", COMPILE + ["--gpu-mem", "20GB/s"], {}, "--gpu-mem"),
     ("gpu-mem-infinite", COMPILE + ["--gpu-mem", "1e400GiB"], {}, "--gpu-mem"),
+    ("batch-absurd", COMPILE + ["--batch", str(10**23)], {}, "at most 16777216"),
+    ("gen-len-absurd", COMPILE + ["--gen-len", str(10**9)], {}, "--gen-len"),
+    ("prefill-chunk-absurd", COMPILE + ["--prompt-len", str(10**9), "--prefill-chunk", str(10**9)], {},
+     "--prompt-len"),
 ]
 
 

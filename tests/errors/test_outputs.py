@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import sys
@@ -117,3 +118,39 @@ def test_check_resolves_a_relative_hw_against_the_plans_directory(tmp_path, monk
     code, out, err = run(["check", "../p.json"], capsys)
     assert code == 0, out + err
     assert "OK ../p.json" in out and "identical" in out
+
+
+def test_a_cpu_mem_fix_is_offered_only_when_the_node_has_that_much_dram_and_then_it_compiles(
+        tmp_path, monkeypatch, capsys):
+    """A node whose reserve leaves 1 MiB of its 8 GiB to plans: the fix is --cpu-mem (within the
+    8 GiB), and compiling with it succeeds."""
+    populate(tmp_path)
+    (tmp_path / "small.yaml").write_text(NODE.replace("{gpu: 1KiB, cpu: 1KiB}", "{gpu: 1KiB, cpu: 8191MiB}"))
+    monkeypatch.chdir(tmp_path)
+    argv = ["compile", "config.json", "--hw", "small.yaml", "--gpu-mem", "16KiB", "-o", "p.json"]
+    code, _, err = run(argv, capsys)
+    fix = re.search(r"--cpu-mem (\d+GiB)", err)
+    assert code == 2 and fix and "a machine with" not in err, err
+    assert run(argv + ["--cpu-mem", fix.group(1)], capsys)[0] == 0
+
+
+def test_the_heartbeat_waits_quiet_s_before_the_first_line_then_heartbeat_s_after_each_line():
+    sink = progress._Sink(lambda text: None)
+    t0 = sink.t0
+    assert sink.due_s(t0) == pytest.approx(progress.QUIET_S)  # a quick command stays silent
+    sink("a line")
+    assert sink.due_s(sink.last) == pytest.approx(progress.HEARTBEAT_S)
+    assert sink.due_s(sink.last + progress.HEARTBEAT_S) <= 0
+    assert progress.HEARTBEAT_S <= 1.0  # room for a loaded machine's scheduling below 1.5 s
+
+
+def test_the_runtime_asks_for_huge_pages_unless_the_user_chose(monkeypatch):
+    from hetplan.cli.app import require_torch
+
+    pytest.importorskip("torch")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    require_torch("exec")
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    require_torch("exec")
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
