@@ -6,7 +6,7 @@ line on stderr), and the run records the seconds from SIGINT to exit (target: <=
 code (130, or 2 with one line), whether each output target is intact (pre-filled with known
 bytes: still those bytes, no temporary file left beside it; a target that did not exist stays
 absent), the time to the first stderr line, and the longest silence on stderr between the first
-line and the SIGINT (target: <= ~2 s; the Python and torch imports before the first line are
+line and the SIGINT (target: <= ~1.5 s; the Python and torch imports before the first line are
 reported apart, since no progress can be printed before them).
 
     python bench/responsiveness.py                 # all three
@@ -49,14 +49,16 @@ def hetplan(*args) -> list:
 
 
 def scenarios(tmp: Path) -> list:
-    stats = tmp / "qwen3-235b.routing.json"
-    make_stats = [sys.executable, "-m", "hetplan.routing_gen", "qwen3-235b-a22b", "--skew", "1.0",
+    stats = tmp / "qwen3-30b.routing.json"
+    make_stats = [sys.executable, "-m", "hetplan.routing_gen", "qwen3-30b-a3b", "--skew", "1.0",
                   "-o", str(stats)]
     exec_plan = tmp / "llama-1b.plan.json"
     return [
-        Scenario("compile (per-block MoE MILP: qwen3-235b-a22b, skewed routing, rtx3090-128g)",
-                 hetplan("compile", "qwen3-235b-a22b", "--hw", "rtx3090-128g", "--weight-dtype", "q4_k_m",
-                         "--routing", stats, "-o", tmp / "compile.plan.json"),
+        Scenario("compile (per-block MoE MILPs: qwen3-30b-a3b, skewed routing, laptop-8g, throughput search "
+                 "up to batch 64)",
+                 hetplan("compile", "qwen3-30b-a3b", "--hw", "laptop-8g", "--weight-dtype", "q4_k_m",
+                         "--routing", stats, "--objective", "throughput", "--batch", "64", "--max-nodes", "100000",
+                         "-o", tmp / "compile.plan.json"),
                  marker="solving", targets=[tmp / "compile.plan.json"], setup=[make_stats]),
         Scenario("profile (--budget 10m)",
                  hetplan("profile", "--budget", "10m", "--out", tmp / "node.yaml", "--model", "llama-3.2-1b"),
@@ -155,7 +157,7 @@ def main() -> None:
             print(f"| {r['name']} | {r['error']} | | | | | {r['tail']} | | |")
             continue
         ok_exit = "yes" if r["sigint_to_exit_s"] <= 1.0 else "**NO**"
-        ok_quiet = "yes" if (r["longest_silence_s"] or 0) <= 2.5 else "**NO**"
+        ok_quiet = "yes" if (r["longest_silence_s"] or 0) <= 1.5 else "**NO**"
         print(f"| {r['name']} | {r['ran_s']:.1f} s | {r['first_line_s']:.1f} s | {r['longest_silence_s']:.2f} s "
               f"({ok_quiet}) | {r['sigint_to_exit_s']:.2f} s ({ok_exit}) | {r['rc']} | {' / '.join(r['after'])} "
               f"| {'yes' if r['targets_ok'] and not r['leftovers'] else '**NO** ' + str(r['leftovers'])} "

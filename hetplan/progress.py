@@ -207,6 +207,7 @@ def _watchdog(flag: Interrupt, grace_s: float = GRACE_S):
     with code 130 and the CLI's one line. That is safe because the blocks guarded write nothing,
     and every file hetplan writes is renamed into place whole."""
     left = threading.Event()
+    sink = _SINK.get()
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
 
@@ -215,6 +216,8 @@ def _watchdog(flag: Interrupt, grace_s: float = GRACE_S):
             ready, _, _ = select.select([read_fd], [], [], 0.1)
             if ready and signal.SIGINT in os.read(read_fd, 64):
                 flag.requested = True
+                if sink is not None:  # no progress line after Ctrl-C: the next line is the last
+                    sink.stop.set()
                 if not left.wait(grace_s):
                     # a progress line on a terminal may be open: end it first
                     os.write(2, (b"\n" if os.isatty(2) else b"") + b"hetplan: interrupted; nothing was written\n")
