@@ -61,7 +61,7 @@ def report(plan, exported, cost, output) -> list:
         lines += [f"  {n}" for n in exported.notes]
         lines += [f"  {d}" for d in cost.differences]
     if exported.usage:
-        lines.append(f"use: {exported.usage}")
+        lines.append("use: " + exported.usage.replace("CONFIG_FILE", repr(str(output or "device_map.json"))))
     name, _, arg = exported.strategy.partition(":")
     if output is None and (len(arg) > MAX_INLINE_CHARS or name in FILE_ONLY):
         lines.append(f"re-read: write it with -o FILE, then hetplan compile MODEL --hw NODE --strategy {name}:FILE")

@@ -20,9 +20,10 @@ SNIPPET = """\
 import json
 from transformers import AutoModelForCausalLM
 
-cfg = json.load(open({path!r}))
+cfg = json.load(open(CONFIG_FILE))
 max_memory = {{int(k) if k.isdigit() else k: v for k, v in cfg["max_memory"].items()}}
-model = AutoModelForCausalLM.from_pretrained({model!r}, device_map=cfg["device_map"], max_memory=max_memory)"""
+model = AutoModelForCausalLM.from_pretrained({model}, device_map=cfg["device_map"], max_memory=max_memory)"""
+"""``CONFIG_FILE`` stands for the exported file; the command line names it."""
 
 
 def device_map(plan: Plan) -> tuple:
@@ -59,6 +60,11 @@ def emit(plan: Plan) -> Export:
     text = json.dumps({"device_map": dmap, "max_memory": max_memory}, indent=1) + "\n"
     source = str(plan.inputs.get("model_source") or plan.model.name)
     source = source[:-len("/config.json")] if source.endswith("/config.json") else source
-    usage = "\n" + SNIPPET.format(path="device_map.json", model=source)
+    if source.endswith(".gguf"):  # transformers dequantises a GGUF file it is pointed at
+        directory, _, name = source.rpartition("/")
+        model = f"{directory or '.'!r}, gguf_file={name!r}"
+    else:
+        model = repr(source)
+    usage = "\n" + SNIPPET.format(model=model)
     compact = json.dumps({"device_map": dmap}, separators=(",", ":"))
     return Export("accelerate", text, f"from-accelerate:{compact}", tuple(notes), usage=usage)

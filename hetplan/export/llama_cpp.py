@@ -68,11 +68,13 @@ def emit(plan: Plan) -> Export:
 
 
 def _no_op_offload(plan: Plan) -> bool:
-    """``--no-op-offload`` when the plan computes its host-resident blocks on the CPU in prefill
-    too (and streams none): llama.cpp would otherwise copy them up for a prompt of 32+ tokens."""
-    ex = [p["exec"]["prefill"] for p in plan.placement if p["weights"] != "gpu" and p["kind"] != "embed"]
-    return bool(ex) and "stream" not in ex and not any(
-        p["exec"]["prefill"] == "stream" for p in plan.placement)
+    """``--no-op-offload`` when the plan keeps weights in host memory (whole blocks, or a MoE
+    layer's cold experts) and streams none of them in prefill: llama.cpp would otherwise copy
+    them to the GPU for a prompt micro-batch of 32+ tokens."""
+    n = plan.model.n_experts
+    host = [p for p in plan.placement if p["kind"] != "embed" and (p["weights"] != "gpu" or (
+        p["kind"] == "moe" and p.get("experts_on_gpu") is not None and p["experts_on_gpu"] < n))]
+    return bool(host) and not any(p["exec"]["prefill"] == "stream" for p in plan.placement)
 
 
 def _export(plan: Plan, words: list, notes: list) -> Export:

@@ -46,12 +46,16 @@ def emit(plan: Plan) -> Export:
         raise CannotExpress("vLLM's offloading needs a GPU and this plan's node has none: it can express no part "
                             "of this plan; nothing was written")
     spec, wl = plan.model, plan.workload
-    off = [p for p in plan.placement if p["layer"] is not None and p["weights"] != "gpu"]
+    n = spec.n_experts
+    cold = [p for p in plan.placement if p["kind"] == "moe" and p["weights"] == "gpu"
+            and p.get("experts_on_gpu") is not None and p["experts_on_gpu"] < n]
+    off = [p for p in plan.placement if p["layer"] is not None and (p["weights"] != "gpu" or p in cold)]
     layers = {p["layer"] for p in off}
     whole = all(sum(1 for p in off if p["layer"] == l) == sum(1 for q in plan.placement if q["layer"] == l)
                 for l in layers)
     pattern = prefetch_pattern(layers, spec.n_layers) if layers and whole and plan.staging["depth"] >= 2 else None
-    notes = []
+    notes = [f"routed experts in host memory ({len(cold)} layers): vLLM offloads whole layers' parameters, so "
+             f"those MoE blocks are offloaded whole"] if cold else []
     if pattern:
         n, k = pattern
         words = ["--offload-group-size", str(n), "--offload-num-in-group", str(k),
