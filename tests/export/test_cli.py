@@ -33,6 +33,12 @@ def test_export_writes_the_configuration_and_prices_it(work, engine, tmp_path):
     assert out.read_text().strip()
     assert "plan (n-cpu-moe:2): TTFT" in proc.stdout and f"{engine} export: TTFT" in proc.stdout
     assert f"--strategy from-{engine}:{out}" in proc.stdout
+    if engine in ("accelerate", "vllm"):  # they stream the experts the plan computes on the CPU in decode
+        assert f"not expressed by {engine}:" in proc.stdout and "decode exec of moe (layer" in proc.stdout
+
+
+def test_a_bad_output_path_is_refused_before_anything_is_written(work, tmp_path):
+    assert "is a directory" in user_error("export", work / "dense.json", "--to", "llama.cpp", "-o", tmp_path)
 
 
 def test_without_o_stdout_is_the_configuration_alone(work):

@@ -93,3 +93,17 @@ def test_ktransformers_cannot_express_a_dense_model(files):
     plan = stated_plan(str(files / "dense.gguf"), str(files / "node.yaml"), lambda b: ("gpu", "gpu", None))
     with pytest.raises(CannotExpress, match="has none"):
         export(plan, "ktransformers")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "ktransformers"])
+def test_an_engine_needing_a_gpu_cannot_express_a_cpu_only_plan(files, engine):
+    node = files / "cpu-node.yaml"
+    node.write_text("\n".join(line for line in TINY_GPU_NODE.splitlines() if not line.startswith("gpus:")))
+    plan = recompile_on(files, "moe.gguf", node)
+    with pytest.raises(CannotExpress, match="nothing was written"):
+        export(plan, engine)
+
+
+def recompile_on(files, model, node):
+    plan, _ = compile_plan(CompileRequest(model=str(files / model), hw=str(node), prompt_len=64, gen_len=16))
+    return plan
