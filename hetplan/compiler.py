@@ -28,6 +28,8 @@ from hetplan.units import format_bytes, parse_bytes
 from hetplan.workload import Workload, chunk_candidates
 
 STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe", "ktransformers")
+IMPORTED = ("from-llama.cpp", "from-accelerate", "from-vllm", "from-ktransformers")
+"""Strategies that re-read an engine's configuration (``from-llama.cpp:ARGS``; hetplan.solvers.imported)."""
 COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
 """Strategies that take a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``)."""
 AUTO_DTYPES = ("q8_0", "q4_k_m")
@@ -78,11 +80,15 @@ class CompileRequest:
         return d
 
 
-def parse_strategy(text: str) -> tuple[str, int | None]:
+def parse_strategy(text: str) -> tuple[str, int | str | None]:
     name, colon, arg = text.partition(":")
+    if name in IMPORTED:
+        from hetplan.solvers.imported import check_argument
+        return name, check_argument(name, arg)
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
-                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N], ktransformers")
+                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N], ktransformers, "
+                           f"from-llama.cpp:ARGS, from-accelerate:FILE|JSON, from-vllm:ARGS, from-ktransformers:FILE")
     if colon and not arg:
         raise HetplanError(f"--strategy {text}: N is missing after ':'; give {name}:N or {name} alone")
     if arg and name not in COUNTED:
@@ -148,6 +154,13 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     """Run one strategy on a problem -> (Decision or None, solver info dict, solve seconds)."""
     from hetplan.solvers import baselines, ilp
 
+    if strategy in IMPORTED:
+        from hetplan.solvers.imported import decide as decide_imported
+        t0 = time.perf_counter()
+        dec = decide_imported(problem, strategy, arg, req.model)
+        info = {"strategy": f"{strategy}:{arg}", "status": "heuristic", "mip_gap": None, "lower_bound_s": None,
+                "options": {}}
+        return dec, info, time.perf_counter() - t0
     if strategy != "ilp":
         t0 = time.perf_counter()
         fn = baselines.applicable(problem).get(strategy) or baselines.MOE_BASELINES[strategy]

@@ -22,6 +22,7 @@ from hetplan.errors import HetplanError
 _COMMANDS = {
     "compile": ("hetplan.cli.compile", "Plan a model on a machine (exact MILP by default)."),
     "show": ("hetplan.cli.show", "Explain a plan: blocks, memory, predictions, bottleneck; draw its timeline."),
+    "export": ("hetplan.cli.export", "Write a plan as llama.cpp, Accelerate, vLLM or kTransformers settings, priced."),
     "check": ("hetplan.cli.check", "Recompile plans from their inputs and fail on regressions (CI)."),
     "exec": ("hetplan.cli.exec", "Execute a plan with the torch runtime and compare with its prediction."),
     "profile": ("hetplan.cli.profile", "Measure this machine and write node.yaml + node.profile.json."),
