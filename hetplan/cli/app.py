@@ -146,7 +146,8 @@ def _main(argv=None) -> int:
         return _interrupted()
     except click.UsageError as e:  # a bad option or argument: one line, like every other mistake
         command = e.ctx.command_path if e.ctx is not None else "hetplan"
-        click.echo(f"hetplan: error: {one_line(e.format_message())} (see `{command} --help`)", err=True)
+        message = e.format_message().replace(":\n\t", ": ").replace(",\n\t", ", ")  # click's list of choices
+        click.echo(f"hetplan: error: {one_line(message)} (see `{command} --help`)", err=True)
         return EXIT_USER
     except click.ClickException as e:
         click.echo(f"hetplan: error: {one_line(e.format_message())}", err=True)

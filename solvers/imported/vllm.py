@@ -59,8 +59,8 @@ def _number(opts: dict, flag: str, default, kind=int):
         x = kind(v)
     except ValueError:
         x = -1
-    if x < 0:
-        raise HetplanError(f"--strategy from-vllm: {flag} {v!r}: expected a non-negative number")
+    if not 0 <= x < float("inf"):  # also nan
+        raise HetplanError(f"--strategy from-vllm: {flag} {v!r}: expected a non-negative number (a finite one)")
     return x
 
 

@@ -288,6 +288,14 @@ CASES = [
     ("gpu-mem-a-rate", COMPILE + ["--gpu-mem", "20GB/s"], {}, "--gpu-mem"),
     ("gpu-mem-infinite", COMPILE + ["--gpu-mem", "1e400GiB"], {}, "--gpu-mem"),
     ("batch-absurd", COMPILE + ["--batch", str(10**23)], {}, "at most 16777216"),
+    ("imported-nan-offload", COMPILE + ["--strategy", "from-vllm:--cpu-offload-gb nan"], {}, "a finite one"),
+    ("imported-infinite-offload", COMPILE + ["--strategy", "from-vllm:--cpu-offload-gb 1e999"], {}, "a finite one"),
+    ("imported-rules-a-fifo", COMPILE + ["--strategy", "from-ktransformers:pipe"], {"pipe": "FIFO"}, "pipe"),
+    ("export-to-dash", ["export", "plan.json", "--to", "llama.cpp", "-o", "-"], {}, "not standard output"),
+    ("export-empty-output", ["export", "plan.json", "--to", "llama.cpp", "-o", ""], {}, "must not be empty"),
+    ("export-a-node-yaml", ["export", "node.yaml", "--to", "llama.cpp"], {}, "is YAML"),
+    ("export-a-fifo", ["export", "pipe", "--to", "llama.cpp"], {"pipe": "FIFO"}, "is a FIFO"),
+    ("export-missing-engine", ["export", "plan.json"], {}, "Choose from: llama.cpp, accelerate"),
     ("gen-len-absurd", COMPILE + ["--gen-len", str(10**9)], {}, "--gen-len"),
     ("prefill-chunk-absurd", COMPILE + ["--prompt-len", str(10**9), "--prefill-chunk", str(10**9)], {},
      "--prompt-len"),
@@ -296,7 +304,7 @@ CASES = [
 
 def test_the_table_covers_every_command_with_at_least_80_mistakes():
     assert len(CASES) >= 80
-    assert {argv[0] for _, argv, _, _ in CASES} == {"compile", "show", "check", "exec", "profile"}
+    assert {argv[0] for _, argv, _, _ in CASES} == {"compile", "show", "check", "exec", "profile", "export"}
     assert len({name for name, *_ in CASES}) == len(CASES)
 
 
