@@ -72,6 +72,9 @@ def read_header(path: str | Path) -> GgufHeader:
     or corrupt file."""
     p = Path(path)
     if not p.is_file():
+        if p.exists():  # never opened: a FIFO would block
+            from hetplan.files import kind_of
+            raise HetplanError(f"{p}: is {kind_of(p.stat().st_mode)}, not a file; expected a .gguf model file")
         raise HetplanError(f"{p}: no such file (expected a .gguf model file)")
     with open(p, "rb") as fh:
         magic = fh.read(4)
