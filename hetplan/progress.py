@@ -68,7 +68,7 @@ class _Sink:
         """Print the innermost step's label (and activity and elapsed time once announced)."""
         with self.lock:
             now = time.monotonic()
-            if self.due_s(now) > 0:
+            if self.due_s(now) > 0 or self.stop.is_set():
                 return
             if not self.steps:
                 self.fn(f"working ({now - self.t0:.0f} s)")
