@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from hetplan import __version__, progress
+from hetplan import __version__, env, progress
 from hetplan.errors import HetplanError
 
 _COMMANDS = {
@@ -137,6 +137,7 @@ _REPORT = ("please report it with the command line that triggered it (HETPLAN_TR
 def _main(argv=None) -> int:
     try:
         # progress lines say so, apart from the one line of an error (README "Exit codes")
+        env.check()
         with progress.reporting(lambda text: click.echo(f"hetplan: progress: {text}", err=True)):
             rc = cli.main(args=argv, prog_name="hetplan", standalone_mode=False)
     except HetplanError as e:
@@ -155,7 +156,7 @@ def _main(argv=None) -> int:
     except click.exceptions.Exit as e:
         return e.exit_code
     except Exception as e:  # a bug: one line, never a traceback (HETPLAN_TRACEBACK=1 shows it)
-        if os.environ.get("HETPLAN_TRACEBACK"):
+        if env.switch("HETPLAN_TRACEBACK", False):  # checked when the command started
             raise
         where = traceback.extract_tb(e.__traceback__)[-1]
         click.echo(f"hetplan: internal error: {type(e).__name__}: {one_line(str(e))[:300]} (at "

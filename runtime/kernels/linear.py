@@ -122,8 +122,8 @@ _CPU_16BIT: dict = {}
 def cpu_has_16bit(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies ``dtype`` natively (AVX512-BF16 for bf16, AVX512-FP16 for
     fp16; ``HETPLAN_CPU_16BIT=0`` answers no, to run the upcasting kernel)."""
-    import os
-    if os.environ.get("HETPLAN_CPU_16BIT") == "0":
+    from hetplan.env import switch
+    if not switch("HETPLAN_CPU_16BIT", True):
         return False
     if dtype not in _CPU_16BIT:
         flags = set(native.cpu_flags().split())

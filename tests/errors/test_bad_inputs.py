@@ -347,3 +347,34 @@ def test_output_to_a_device_is_refused_and_the_device_stays_a_device(tmp_path, m
     code, _, err = run(["compile", "config.json", "--hw", "node.yaml", "-o", "/dev/null"], capsys)
     assert code == 2 and "is a device" in err
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+ENV_CASES = [
+    ("HETPLAN_NATIVE_KERNELS", "maybe", ["compile", "config.json", "--hw", "node.yaml", "-o", "out.json"]),
+    ("HETPLAN_TRACEBACK", "sometimes", ["show", "plan.json"]),
+    ("HETPLAN_CPU_16BIT", "fast", ["exec", "plan.json", "--weights", "random"]),
+    ("HETPLAN_CACHE", "/dev/null", ["exec", "plan.json", "--weights", "random"]),
+    ("HETPLAN_CACHE", " ", ["check", "plan.json"]),
+]
+
+
+@pytest.mark.parametrize("name,value,argv", ENV_CASES, ids=[f"{n}={v!r}" for n, v, _ in ENV_CASES])
+def test_a_bad_hetplan_environment_variable_is_one_line_exit_2(name, value, argv, good_plan, tmp_path,
+                                                               monkeypatch, capsys):
+    populate(tmp_path, good_plan)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, value)
+    before = snapshot(tmp_path)
+    code, out, err = run(argv, capsys)
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and name in lines[0] and repr(value) in lines[0], (code, err)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("value,on", [("0", False), ("false", False), ("OFF", False), ("no", False),
+                                      ("1", True), ("true", True), ("", True)])
+def test_a_switch_reads_the_words_people_write(value, on, monkeypatch):
+    from hetplan.env import switch
+
+    monkeypatch.setenv("HETPLAN_NATIVE_KERNELS", value)
+    assert switch("HETPLAN_NATIVE_KERNELS", True) is on

@@ -49,7 +49,8 @@ def module():
     """The compiled kernel module, or None (``unavailable()`` says why)."""
     if "module" in _state:
         return _state["module"]
-    if os.environ.get("HETPLAN_NATIVE_KERNELS", "1") == "0":
+    from hetplan.env import switch
+    if not switch("HETPLAN_NATIVE_KERNELS", True):
         _state.update(module=None, why="HETPLAN_NATIVE_KERNELS=0")
         return None
     where = build_dir()

@@ -1,0 +1,50 @@
+"""The ``HETPLAN_*`` environment variables, read in one place.
+
+A switch is 1 or 0 (also true/false, yes/no, on/off, any case); any other value is a mistake
+named with its value, never read as "on" because it is not "0". ``check()`` runs when a command
+starts, so a bad value is refused before any work, whichever code path would read it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hetplan.errors import HetplanError
+
+SWITCHES = {
+    "HETPLAN_TRACEBACK": "print the traceback of an internal error (default 0)",
+    "HETPLAN_NATIVE_KERNELS": "use the native quantised kernels (default 1)",
+    "HETPLAN_CPU_16BIT": "compute 16-bit weights on the CPU without upcasting (default 1)",
+}
+PATHS = {"HETPLAN_CACHE": "the folder native kernels are built into (default ~/.cache/hetplan)"}
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch(name: str, default: bool) -> bool:
+    """The switch ``name`` (``default`` when unset or empty)."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise HetplanError(f"environment variable {name}={raw!r}: expected 1 or 0 (or true/false); "
+                       f"it switches: {SWITCHES.get(name, name)}; unset it for the default")
+
+
+def check() -> None:
+    """Refuse a bad value of any ``HETPLAN_*`` variable hetplan reads."""
+    for name in SWITCHES:
+        switch(name, False)
+    for name, what in PATHS.items():
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        p = Path(raw)
+        if not raw.strip() or (p.exists() and not p.is_dir()):
+            raise HetplanError(f"environment variable {name}={raw!r}: not a folder ({what}); "
+                               f"point it at a folder or unset it")
