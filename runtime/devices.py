@@ -261,10 +261,17 @@ def check_free_memory(plan_memory: dict, mode: str, free_gpu_bytes: int | None, 
     if mode == "cuda" and gpu_need > free_gpu_bytes:
         raise HetplanError(f"the plan needs {format_bytes(gpu_need)} of GPU memory but only "
                            f"{format_bytes(free_gpu_bytes)} is free now; free the GPU or recompile with "
-                           f"--gpu-mem {format_bytes(free_gpu_bytes)}")
+                           f"--gpu-mem {_size_arg(free_gpu_bytes)}")
     host_need = cpu_need + (gpu_need if mode == "emulated" else 0)
     if host_need > free_cpu_bytes:
         what = "CPU memory" + (" (CPU tier + emulated GPU)" if mode == "emulated" else "")
+        fix = (f"--gpu-mem and --cpu-mem that add up to at most {_size_arg(free_cpu_bytes)} (the emulated GPU "
+               f"lives in host memory too)" if mode == "emulated" else f"--cpu-mem {_size_arg(free_cpu_bytes)}")
         raise HetplanError(f"the plan needs {format_bytes(host_need)} of {what} but only "
                            f"{format_bytes(free_cpu_bytes)} is available now; close other programs or "
-                           f"recompile with --cpu-mem {format_bytes(free_cpu_bytes)}")
+                           f"recompile with {fix}")
+
+
+def _size_arg(n: int) -> str:
+    """``n`` bytes as a --gpu-mem/--cpu-mem value that is at most ``n`` (``22GiB``, ``512MiB``)."""
+    return f"{n // 2**30}GiB" if n >= 2**30 else f"{max(1, n // 2**20)}MiB"

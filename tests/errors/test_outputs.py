@@ -154,3 +154,19 @@ def test_the_runtime_asks_for_huge_pages_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     require_torch("exec")
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_exec_memory_fixes_are_values_the_flags_accept_and_no_more_than_is_free():
+    pytest.importorskip("torch")
+    from hetplan.runtime.devices import check_free_memory
+    from hetplan.units import parse_bytes
+
+    free = int(22.84 * 2**30)
+    memory = {"gpu_bytes": 129 << 30, "cpu_bytes": 3 << 30}
+    with pytest.raises(HetplanError) as cpu_only:
+        check_free_memory(memory, "cpu", free_gpu_bytes=None, free_cpu_bytes=free // 10)
+    value = re.search(r"--cpu-mem (\S+)", str(cpu_only.value)).group(1)
+    assert parse_bytes(value, "--cpu-mem") <= free // 10
+    with pytest.raises(HetplanError) as emulated:  # a plan for a 141 GB GPU, emulated in 22.84 GiB of RAM
+        check_free_memory(memory, "emulated", free_gpu_bytes=None, free_cpu_bytes=free)
+    assert "add up to at most 22GiB" in str(emulated.value)
