@@ -14,11 +14,11 @@ Pure: reads JSON and plans, knows nothing about torch or how the run was execute
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 from hetplan.errors import HetplanError
+from hetplan.files import read_json
 from hetplan.graph import PHASES, block_graph
 from hetplan.plan import RESOURCES, Plan, load_plan, write_atomic
 from hetplan.profile.table import Entry, Point, ProfileTable, coordinate, load_profile, shape_key, table_dtype
@@ -94,12 +94,7 @@ def fold_trace_file(trace_path: str, profile_path: str, plan_path: str | None) -
     if not plan_path:
         raise HetplanError("--from-trace needs --plan PLAN.json: the plan the trace was recorded from")
     p = Path(trace_path)
-    if not p.is_file():
-        raise HetplanError(f"{p}: no such trace file (write one with `hetplan exec PLAN --trace {p}`)")
-    try:
-        trace = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise HetplanError(f"{p}:{e.lineno}:{e.colno}: malformed JSON ({e.msg})") from None
+    trace = read_json(p, f"trace file (write one with `hetplan exec PLAN --trace {p}`)")
     table = load_profile(profile_path)
     folded, used, points = fold_trace(table, load_plan(plan_path), measured_durations(trace, str(p)))
     problems = profile_problems(folded)

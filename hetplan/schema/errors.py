@@ -154,7 +154,7 @@ def schema_error(e: ValidationError, root: type[BaseModel], source: str, text: s
 
 
 KINDS = (
-    ({"schema_version", "digest", "placement"}, "a plan written by `hetplan compile`"),
+    ({"digest", "placement"}, "a plan written by `hetplan compile`"),
     ({"model_type"}, "a model's config.json (it goes as MODEL to `hetplan compile`)"),
     ({"gpus", "cpu", "links"}, "a node.yaml (it goes to --hw)"),
     ({"model_fingerprint", "layers"}, "routing statistics (they go to --routing)"),

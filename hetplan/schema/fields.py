@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 BYTES_MAX = float(2**50)
 """1 PiB: more than any machine holds (the largest single machines have 64 TiB of DRAM)."""
@@ -47,6 +47,15 @@ def count(high: int, low: int = 0):
     """An integer in ``[low, high]``."""
     return Annotated[int, Field(ge=low, le=high, json_schema_extra={"range": f"{low} .. {high}"})]
 
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_not_blank)]
+"""A name or a path: a string that is not empty or blank."""
 
 Bytes = quantity("bytes", BYTES_MAX)
 Seconds = quantity("s", SECONDS_MAX)

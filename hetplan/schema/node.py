@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from hetplan.schema.errors import fields_of
+from hetplan.schema.fields import Text
 from hetplan.units import format_bytes, quantity
 
 _GB, _TB = 1e9, 1e12
@@ -89,7 +90,7 @@ class Flops(_Strict):
 
 
 class Gpu(_Strict):
-    name: str = Field("gpu", description="shown in plans")
+    name: Text = Field("gpu", description="shown in plans")
     device_class: Literal["consumer", "datacenter"] = Field(
         "consumer", alias="class", description="consumer (GeForce, laptop) or datacenter (T4, A100, H100): "
         "selects the default `gpu_*` efficiencies and latency")
@@ -100,7 +101,7 @@ class Gpu(_Strict):
 
 
 class Cpu(_Strict):
-    name: str = Field("cpu", description="shown in plans")
+    name: Text = Field("cpu", description="shown in plans")
     device_class: Literal["desktop", "server"] = Field(
         "desktop", alias="class", description="desktop (dual-channel DRAM) or server (Xeon, EPYC; "
         "several channels or sockets): selects the default `cpu_*` efficiencies and latency")
@@ -146,7 +147,7 @@ class Price(_Strict):
 
 
 class Node(_Strict):
-    name: str | None = Field(None, description="shown in plans (default: the file's name)")
+    name: Text | None = Field(None, description="shown in plans (default: the file's name)")
     gpus: list[Gpu] = Field(default_factory=list, description="empty or absent: a CPU-only node; "
                             "plans use the first GPU only")
     cpu: Cpu = Field(description="the host")
@@ -155,7 +156,7 @@ class Node(_Strict):
     efficiency: Efficiency = Field(default_factory=Efficiency, description="achieved fraction of each peak")
     latency: Latency = Field(default_factory=Latency, description="per-task fixed costs")
     price: Price | None = Field(None, description="`show` then reports tokens per dollar")
-    profile: str | None = Field(None, description="node.profile.json path, relative to this file")
+    profile: Text | None = Field(None, description="node.profile.json path, relative to this file")
 
     @model_validator(mode="after")
     def _consistent(self):
