@@ -229,6 +229,8 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
     with progress.step("reading the model and the node"):
         spec, hw = load_inputs(req)
         routing = load_request_routing(req, spec)
+    if req.stream_cold_experts and not spec.is_moe:
+        raise HetplanError(f"--stream-cold-experts: model {spec.name!r} has no experts to stream; drop the flag")
     if spec.n_layers > BOUND_FIRST_LAYERS:
         weights_bound(spec, hw, req.weight_dtype == "auto")
     tried = ""

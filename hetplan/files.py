@@ -93,6 +93,24 @@ def writable_target(path: str | Path, option: str = "output") -> Path:
     return target
 
 
+def distinct_targets(targets: dict, inputs: dict | None = None) -> None:
+    """Refuse two options (``{"--trace": path, ...}``, unset ones None) that would write the same
+    file (the second would silently replace the first), and an output that is one of the command's
+    ``inputs`` (``{"PLAN": path}``: writing would destroy what is being read)."""
+    read = {os.path.realpath(p): name for name, p in (inputs or {}).items() if p and os.path.isfile(p)}
+    seen = {}
+    for option, path in targets.items():
+        if not path:
+            continue
+        key = os.path.realpath(path)
+        if key in read:
+            raise HetplanError(f"{option} {path}: is the {read[key]} this command reads; writing it would "
+                               f"destroy it: give another file")
+        if key in seen:
+            raise HetplanError(f"{seen[key]} and {option} both write {path}; give each its own file")
+        seen[key] = option
+
+
 def write_atomic(path: str | Path, data: str | bytes, option: str = "output") -> None:
     """Write ``data`` to ``path`` atomically (see the module docstring for the rules)."""
     target = writable_target(path, option)

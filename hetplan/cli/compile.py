@@ -14,8 +14,9 @@ import click
 
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.dtypes import BITS_PER_ELEMENT
+from hetplan.errors import HetplanError
 from hetplan.plan import write_atomic
-from hetplan.files import writable_target
+from hetplan.files import distinct_targets, writable_target
 from hetplan.schema.fields import MAX_NODES_MAX, TIME_LIMIT_MAX_S
 from hetplan.units import format_bytes, format_percent, format_seconds
 
@@ -118,8 +119,12 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                          kv_dtype=kv_dtype, gpu_mem=gpu_mem, cpu_mem=cpu_mem, time_limit_s=time_limit_s,
                          max_nodes=max_nodes, mip_gap=mip_gap, stream_cold_experts=stream_cold_experts,
                          routing=routing, dump_lp=dump_lp)
+    distinct_targets({"-o": output}, {"MODEL": model, "--hw": hw, "--routing": routing})
     writable_target(output, "-o")  # a bad -o fails before the solve, not after it
     if dump_lp:
+        if strategy != "ilp":
+            raise HetplanError(f"--dump-lp writes the MILPs of --strategy ilp; --strategy {strategy} solves none: "
+                               f"drop --dump-lp or use --strategy ilp")
         writable_target(dump_lp, "--dump-lp")
     plan, took = compile_plan(req)
     for note in req.notes:

@@ -9,7 +9,7 @@ import click
 
 from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
-from hetplan.files import writable_target
+from hetplan.files import distinct_targets, writable_target
 from hetplan.plan import load_plan, write_atomic
 from hetplan.progress import activity, cancellable, printed, step
 from hetplan.units import format_bytes, format_seconds
@@ -68,6 +68,8 @@ class _Progress:
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
             emulate, routing_path, as_json):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
+    distinct_targets({"--trace": trace_path, "--record-routing": routing_path},
+                     {"PLAN": plan_path, "--weights": weights, "--model": model_path})
     for option, target in (("--trace", trace_path), ("--record-routing", routing_path)):
         if target:
             writable_target(target, option)  # before the run, not after it

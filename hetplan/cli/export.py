@@ -13,7 +13,7 @@ import shlex
 import click
 
 from hetplan.export.result import ENGINES, export, price
-from hetplan.files import writable_target, write_atomic
+from hetplan.files import distinct_targets, writable_target, write_atomic
 from hetplan.plan import load_plan
 from hetplan.solvers.imported import FILE_ONLY, MAX_INLINE_CHARS
 from hetplan.units import format_bytes, format_seconds
@@ -36,6 +36,7 @@ def command(plan_path, engine, output):
     price the exported configuration as ENGINE's baseline next to the plan."""
     plan = load_plan(plan_path)
     if output is not None:
+        distinct_targets({"-o": output}, {"PLAN": plan_path})
         writable_target(output, "-o")
     exported = export(plan, engine)
     cost = price(plan, exported)

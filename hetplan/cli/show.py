@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from hetplan.files import distinct_targets
 from hetplan.plan import load_plan
 from hetplan.plan.report import render_show
 from hetplan.plan.timeline import write_timeline, write_trace
@@ -29,6 +30,7 @@ def command(plan_path, timeline, trace):
     """Print a readable summary of PLAN.json: placement per block (identical consecutive layers
     merged), memory per tier against its budget, predicted TTFT/TPOT beside their lower bounds,
     the bottleneck resource per phase, and the solver's status and gap."""
+    distinct_targets({"--timeline": timeline, "--trace": trace}, {"PLAN": plan_path})
     plan = load_plan(plan_path)
     click.echo(render_show(plan), nl=False)
     if timeline:
