@@ -145,6 +145,9 @@ def _main(argv=None) -> int:
         return EXIT_USER
     except (click.exceptions.Abort, KeyboardInterrupt, _Interrupted):
         return _interrupted()
+    except click.exceptions.NoArgsIsHelpError as e:  # `hetplan` alone: its help, as --help prints it
+        click.echo(e.ctx.get_help())
+        return EXIT_OK
     except click.UsageError as e:  # a bad option or argument: one line, like every other mistake
         command = e.ctx.command_path if e.ctx is not None else "hetplan"
         message = e.format_message().replace(":\n\t", ": ").replace(",\n\t", ", ")  # click's list of choices

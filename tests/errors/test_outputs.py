@@ -170,3 +170,8 @@ def test_exec_memory_fixes_are_values_the_flags_accept_and_no_more_than_is_free(
     with pytest.raises(HetplanError) as emulated:  # a plan for a 141 GB GPU, emulated in 22.84 GiB of RAM
         check_free_memory(memory, "emulated", free_gpu_bytes=None, free_cpu_bytes=free)
     assert "add up to at most 22GiB" in str(emulated.value)
+
+
+def test_hetplan_alone_prints_its_help_on_stdout(capsys):
+    code, out, err = run([], capsys)
+    assert code == 0 and out.startswith("Usage: hetplan") and "compile" in out and err == ""
