@@ -18,6 +18,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from hetplan.errors import HetplanError
 
 
@@ -41,6 +43,39 @@ def read_text(path: str | Path, missing: str, expected: str, fix: str = "") -> s
         raise HetplanError(f"{p}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
         raise HetplanError(f"{p}: not a text file (it is not UTF-8); expected {expected}{fix}") from None
+
+
+YAML_NODES_MAX = 100_000
+"""The most values a YAML file may hold once its aliases are expanded (a node.yaml holds about
+fifty; nested aliases can stand for billions, which every reader after the loader would walk)."""
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses an alias bomb: a document whose aliases (``*name``)
+    expand to more than ``YAML_NODES_MAX`` values."""
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None and _expanded_size(node, {}) > YAML_NODES_MAX:
+            raise yaml.composer.ComposerError(None, None, f"its aliases (*name) expand to more than "
+                                              f"{YAML_NODES_MAX} values; write the values out", node.start_mark)
+        return node
+
+
+def _expanded_size(node, memo: dict) -> int:
+    """How many values ``node`` stands for with every alias expanded (each anchor counted once
+    per use; memoised, so the walk is linear in the file)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a recursive alias counts once
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size
+    return size
 
 
 def kind_of(mode: int) -> str:

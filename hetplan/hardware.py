@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from hetplan.errors import HetplanError
+from hetplan.files import BoundedLoader
 from pydantic import ValidationError
 
 from hetplan.presets.device_classes import class_defaults
@@ -163,7 +164,7 @@ def load_node(source: str) -> HardwareSpec:
     return hw
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(BoundedLoader):
     """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
 
     def construct_mapping(self, node, deep=False):

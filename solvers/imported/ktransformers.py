@@ -18,12 +18,13 @@ import re
 import yaml
 
 from hetplan.errors import HetplanError
+from hetplan.files import BoundedLoader
 from hetplan.problem import Problem
 
 
 def parse(text: str) -> list:
     try:
-        rules = yaml.safe_load(text)
+        rules = yaml.load(text, Loader=BoundedLoader)
     except yaml.YAMLError as e:
         raise HetplanError(f"--strategy from-ktransformers: not YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(rules, list) or not all(isinstance(r, dict) and isinstance(r.get("match"), dict)

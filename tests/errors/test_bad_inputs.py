@@ -66,6 +66,14 @@ def profile(edit) -> dict:
     return {"bad.yaml": NODE + "profile: p.json\n", "p.json": json.dumps(doc, indent=1)}
 
 
+def alias_bomb(levels: int = 8) -> str:
+    """A YAML value whose nested aliases stand for 10**(levels + 1) strings (a billion at 8)."""
+    value = "&l0 [x, x, x, x, x, x, x, x, x, x]"
+    for k in range(1, levels + 1):
+        value = f"&l{k} [" + ", ".join([value] + [f"*l{k - 1}"] * 9) + "]"
+    return value
+
+
 COMPILE_NODE = ["compile", "config.json", "--hw", "bad.yaml", "-o", "out.json"]
 COMPILE_CFG = ["compile", "bad.json", "--hw", "node.yaml", "-o", "out.json"]
 COMPILE = ["compile", "config.json", "--hw", "node.yaml", "-o", "out.json"]
@@ -319,6 +327,9 @@ CASES = [
     ("export-onto-the-plan", ["export", "plan.json", "--to", "llama.cpp", "-o", "plan.json"], {}, "is the PLAN"),
     ("dump-lp-without-milp", COMPILE + ["--dump-lp", "m.lp", "--strategy", "all-gpu"], {}, "solves none"),
     ("stream-cold-experts-on-dense", COMPILE + ["--stream-cold-experts"], {}, "no experts"),
+    ("node-alias-bomb", COMPILE_NODE, node("name: tiny", "name: " + alias_bomb()), "aliases"),
+    ("ktransformers-rules-alias-bomb", COMPILE_MOE + ["--strategy", "from-ktransformers:rules.yaml"],
+     {"rules.yaml": "- " + alias_bomb()}, "aliases"),
     ("export-to-dash", ["export", "plan.json", "--to", "llama.cpp", "-o", "-"], {}, "not standard output"),
     ("export-empty-output", ["export", "plan.json", "--to", "llama.cpp", "-o", ""], {}, "must not be empty"),
     ("export-a-node-yaml", ["export", "node.yaml", "--to", "llama.cpp"], {}, "is YAML"),
