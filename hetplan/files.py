@@ -94,6 +94,8 @@ def parse_json(text: str, path: str | Path, fix: str = "") -> object:
             raise HetplanError(f"{path}: is YAML (a node.yaml goes to --hw), not the JSON file expected "
                                f"here") from None
         raise HetplanError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}{fix}") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise HetplanError(f"{path}: not a hetplan file: {str(e).split(';')[0]}{fix}") from None
     except RecursionError:
         raise HetplanError(f"{path}: JSON nested too deeply to be a hetplan file{fix}") from None
 

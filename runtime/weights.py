@@ -68,7 +68,7 @@ class Checkpoint:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError) as e:  # ValueError: also not UTF-8, or a 5000-digit number
                 raise HetplanError(f"{index}: malformed index ({e}); expected a 'weight_map' object") from None
             files = sorted({self.directory / f for f in weight_map.values()})
             missing = [f.name for f in files if not f.is_file()]
@@ -182,7 +182,7 @@ def _read_header(path: Path) -> dict:
         with open(path, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError) as e:
+    except (struct.error, ValueError, MemoryError, OverflowError) as e:  # ValueError: bad JSON, not UTF-8
         raise HetplanError(f"{path}: not a safetensors file ({type(e).__name__}); the file may be "
                            f"truncated") from None
     size = path.stat().st_size

@@ -31,6 +31,8 @@ def parse(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise HetplanError(f"--strategy from-accelerate: not a JSON device map (line {e.lineno}, column "
                            f"{e.colno}: {e.msg}); give a file or a JSON object") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise HetplanError(f"--strategy from-accelerate: not a JSON device map ({str(e).split(';')[0]})") from None
     if isinstance(doc, dict) and "device_map" in doc:
         doc = doc["device_map"]
     if not isinstance(doc, dict) or not doc:
