@@ -186,6 +186,11 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     else:  # the chain DP decided some configuration (solvers/ilp/chain.py): no MILP size to state
         info["formulation"] = res.formulation
     dec = res.decision
+    if dec is None and res.status.startswith(("time_limit", "node_limit")):  # not proof that nothing fits
+        flag, value = (("--time-limit", f"{opts.time_limit_s:g} s") if res.status.startswith("time_limit")
+                       else ("--max-nodes", f"{opts.max_nodes}"))
+        raise HetplanError(f"the MILP stopped at {flag} {value} before it found any plan, so nothing was "
+                           f"written; raise {flag}, or take a heuristic plan with --strategy ngl")
     if dec is not None and problem.has_gpu and not res.status.startswith(PLAN_STATUSES):
         raise HetplanError(f"the MILP solver stopped with status {res.status!r} and no usable plan, so nothing "
                            f"was written; this usually means extreme inputs (check the node's sizes and "

@@ -338,6 +338,7 @@ CASES = [
      "not a hetplan file"),
     ("accelerate-map-5000-digit-number", COMPILE + ["--strategy", "from-accelerate:map.json"],
      {"map.json": '{"model.embed_tokens": ' + "1" * 5000 + "}"}, "from-accelerate"),
+    ("time-limit-before-any-plan", COMPILE + ["--time-limit", "1e-300"], {}, "before it found any plan"),
     ("export-to-dash", ["export", "plan.json", "--to", "llama.cpp", "-o", "-"], {}, "not standard output"),
     ("export-empty-output", ["export", "plan.json", "--to", "llama.cpp", "-o", ""], {}, "must not be empty"),
     ("export-a-node-yaml", ["export", "node.yaml", "--to", "llama.cpp"], {}, "is YAML"),
