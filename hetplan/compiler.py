@@ -27,9 +27,11 @@ from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
 from hetplan.workload import Workload, chunk_candidates
 
-STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe", "ktransformers")
-COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
-"""Strategies that take a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``)."""
+STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "flexgen", "cpu-moe", "n-cpu-moe",
+              "ktransformers")
+COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe", "flexgen")
+"""Strategies that take a number: a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``) or
+FlexGen's GPU weight percent (``flexgen:W``)."""
 AUTO_DTYPES = ("q8_0", "q4_k_m")
 """Tried in order when ``--weight-dtype auto`` finds the native dtype does not fit."""
 
@@ -82,9 +84,11 @@ def parse_strategy(text: str) -> tuple[str, int | None]:
     name, _, arg = text.partition(":")
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
-                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N], ktransformers")
+                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, flexgen[:W], cpu-moe, n-cpu-moe[:N], "
+                           f"ktransformers")
     if arg and name not in COUNTED:
-        raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo and n-cpu-moe take an argument (ngl:N, ngl-nkvo:N, n-cpu-moe:N)")
+        raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo, n-cpu-moe and flexgen take an argument "
+                           f"(ngl:N, ngl-nkvo:N, n-cpu-moe:N, flexgen:W)")
     if arg:
         if not arg.isdigit():
             raise HetplanError(f"--strategy {text}: N must be a non-negative integer")
