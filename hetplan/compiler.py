@@ -91,7 +91,8 @@ def parse_strategy(text: str) -> tuple[str, int | None]:
                            f"(ngl:N, ngl-nkvo:N, n-cpu-moe:N, flexgen:W)")
     if arg:
         if not arg.isdigit():
-            raise HetplanError(f"--strategy {text}: N must be a non-negative integer")
+            what = "W (the GPU weight percent)" if name == "flexgen" else "N"
+            raise HetplanError(f"--strategy {text}: {what} must be a non-negative integer")
         return name, int(arg)
     return name, None
 

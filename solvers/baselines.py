@@ -305,7 +305,8 @@ def flexgen(problem: Problem, gpu_percent: int | None = None) -> Decision:
                 return dec
         return flexgen(problem, 0)
     if not 0 <= gpu_percent <= 100:
-        raise HetplanError(f"--strategy flexgen:{gpu_percent}: the GPU weight percent must be 0 to 100")
+        raise HetplanError(f"--strategy flexgen:{gpu_percent}: the GPU weight percent W must be 0 to 100 "
+                           f"(FlexGen's first --percent value); omit it for the largest that fits")
     weights = {b.name: "stream" if b.streamable else "cpu" for b in problem.blocks}
     target = resident = 0.0
     for b in problem.blocks:

@@ -287,3 +287,10 @@ def test_the_printed_compile_time_includes_building_the_problem(monkeypatch):
     _, took = compile_plan(CompileRequest(model="gpt2", hw="rtx4090-64g"))
     assert took.wall_s >= 0.3 and took.solve_s < took.wall_s - 0.3 + 1e-9
     assert took.cpu_s >= 0
+
+
+@pytest.mark.parametrize("strategy,needle", [("flexgen:101", "must be 0 to 100"), ("flexgen:x", "W (the GPU weight")])
+def test_a_bad_flexgen_percent_is_one_line_naming_it(tmp_path, strategy, needle):
+    line = user_error("compile", *SMALL, "--strategy", strategy, "-o", tmp_path / "p.json")
+    assert strategy in line and needle in line
+    assert not (tmp_path / "p.json").exists()
