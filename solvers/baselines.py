@@ -125,13 +125,23 @@ def op_offload(problem: Problem) -> bool:
     return problem.has_gpu and wl.batch * wl.prompt_len >= OP_OFFLOAD_MIN_TOKENS
 
 
+def head_offload(problem: Problem) -> bool:
+    """Whether llama.cpp copies a host-resident output layer up for prefill. The graph keeps only
+    the positions that want logits before the output layer (``ggml_get_rows`` with
+    ``inp_out_ids``: the last token of each sequence), so the output matmul's batch is the number
+    of sequences, not the prompt's tokens, and op offload applies to it only from
+    ``OP_OFFLOAD_MIN_TOKENS`` sequences on."""
+    return problem.has_gpu and problem.workload.batch >= OP_OFFLOAD_MIN_TOKENS
+
+
 def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = None,
                offload: bool | None = None) -> Decision:
     """llama.cpp's execution of a placement: blocks in ``on_gpu`` resident in HBM, the others in
     DRAM. Decode computes each block where its weights are. Prefill with op offload computes a
     host-resident block on the GPU with its weights copied up (weights ``stream``, prefill exec
     ``stream``), and an MoE block's host-resident experts likewise (their expert tensors are
-    copied up); the embedding lookup stays on the CPU. The scheduler copies a split's inputs
+    copied up); the embedding lookup stays on the CPU, and so does a host-resident output layer
+    for fewer than 32 sequences (``head_offload``). The scheduler copies a split's inputs
     right before computing it (``ggml_backend_sched_compute_splits``); a host-to-CUDA weight copy
     has no async path, so it waits for the GPU to finish and copies synchronously: nothing is
     prefetched, staging depth 1, a copy never overlaps the compute before it.
@@ -150,7 +160,7 @@ def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = N
             exec_["prefill"][b.name] = "stream" if cold and offload else "gpu"
             exec_["decode"][b.name] = "gpu"
         else:
-            copied = offload and b.streamable
+            copied = offload and b.streamable and (b.kind != "head" or head_offload(problem))
             weights[b.name] = "stream" if copied else "cpu"
             exec_["prefill"][b.name] = "stream" if copied else "cpu"
             exec_["decode"][b.name] = "cpu"

@@ -96,6 +96,16 @@ def test_prompts_of_32_tokens_compute_dram_layers_on_the_gpu_with_their_weights_
     assert placed(below, "attn_0", "mlp_3") == [("cpu", "cpu", "cpu")] * 2
 
 
+def test_op_offload_leaves_a_dram_output_layer_on_the_cpu_for_fewer_than_32_sequences():
+    # llama.cpp keeps only each sequence's last position before the output layer, so its matmul
+    # has one row per sequence: a 512-token prompt of one sequence computes it on the CPU.
+    one = baselines.ngl(problem(prompt_len=512), 0)
+    assert placed(one, "head") == [("cpu", "cpu", "cpu")]
+    assert placed(one, "attn_0") == [("stream", "stream", "cpu")]
+    many = baselines.ngl(problem(prompt_len=16, batch=32), 0)
+    assert placed(many, "head") == [("stream", "stream", "cpu")]
+
+
 def test_op_offload_copies_each_layer_right_before_use_never_ahead():
     p = problem(prompt_len=32)
     plan = plan_of(p, baselines.ngl(p, 1))
