@@ -103,3 +103,27 @@ def test_int8_prefill_of_fused_linears(int8):
     got = linear(x, PackedLinear.cat([packed("q4_0", a), packed("q4_0", b)])).view(14, 64).double().numpy()
     xd, wd = x.view(14, 96).double().numpy(), np.concatenate([decoded("q4_0", a), decoded("q4_0", b)])
     assert (np.abs(got - xd @ wd.T) <= rounding_bound(xd, wd) + fp32_bound(xd, wd)).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_prefill_logits_within_activation_rounding_of_transformers(int8, tmp_path, fmt):
+    """A 16-token prompt (prefill M = 16: the int8 path) against transformers on the weights the
+    packed bytes hold. Rounding x per block as q8_0 rounds weights moves the logits by about as
+    much as q8_0 weights do: within ``test_quant``'s q8_0 bound of the logits' norm."""
+    from hetplan.compiler import CompileRequest, compile_plan
+    from hetplan.runtime.session import RunOptions, run_plan
+    from tests.exec.test_numerics import GPU_NODE, save_tiny_model
+    from tests.exec.test_quant import QUANTISATION_ERROR, dequantised_model
+    model = save_tiny_model("llama", tmp_path / "llama")
+    (tmp_path / "gpu.yaml").write_text(GPU_NODE)
+    prompt = (tuple(range(3, 19)),)
+    plan = compile_plan(CompileRequest(model=str(tmp_path / "llama"), hw=str(tmp_path / "gpu.yaml"),
+                                       strategy="all-gpu", weight_dtype=fmt, kv_dtype="fp32",
+                                       prompt_len=16, gen_len=1))[0]
+    result = run_plan(plan, RunOptions(weights=str(tmp_path / "llama"), prompt_ids=prompt, gen_len=1,
+                                       keep_logits=True, emulate=True))
+    with torch.no_grad():
+        ref = dequantised_model(model, plan.model, fmt)(torch.tensor(prompt)).logits[:, -1]
+    got = result.logits[0]
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < QUANTISATION_ERROR["q8_0"]
