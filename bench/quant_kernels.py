@@ -12,11 +12,11 @@ Per format (q8_0, q4_0, int8, int4, q4_k_m), with the weight [N, K] = [5632, 204
   fp32 GEMV over the same number of bytes.
 - prefill (M = 64, 512): GFLOP/s (2 M N K / time) of the int8 path (x quantised per block,
   AVX-512 VNNI), of the fp32 tile path (``HETPLAN_INT8_PREFILL=0``: 1 MiB tiles dequantised,
-  torch's GEMM per tile) and of torch's fp32 GEMM on the dequantised weight; and, as torch's own
-  candidates, ``torch._int_mm`` (int8 x int8 -> int32 with no scales at all: the ceiling of a
-  per-tensor int8 GEMM), ``torch._weight_int8pack_mm`` (bf16 x, int8 weights with per-row
-  scales: the int8 format) and ``torch._weight_int4pack_mm_for_cpu`` (bf16 x, 4-bit groups of
-  32: q4_0's shape).
+  torch's GEMM per tile) and of torch's fp32 GEMM on the dequantised weight; and in the same
+  row torch's own nearest op: for q8_0 ``torch._int_mm`` (int8 x int8 -> int32 with no scales
+  at all: the ceiling of a per-tensor int8 GEMM, not a q8_0 kernel), for int8
+  ``torch._weight_int8pack_mm`` (bf16 x, int8 weights with per-row scales), for q4_0
+  ``torch._weight_int4pack_mm_for_cpu`` (bf16 x, 4-bit groups of 32 with scale and zero).
 
 Every figure is the best of ``--reps`` after one warm-up call. Prints one table; the machine's
 load average is printed with it (figures measured under load are not speed results).
@@ -75,20 +75,27 @@ def prefill_gflop_s(mod, fmt: str, parts: tuple, m: int, reps: int) -> dict:
     return {k: v / 1e9 for k, v in out.items()}
 
 
-def torch_candidates(m: int, reps: int) -> dict:
-    """GFLOP/s of torch's own int8 / int4 weight matmuls at [m, K] x [N, K]^T."""
+TORCH_COUNTERPART = {"q8_0": "torch._int_mm", "int8": "_weight_int8pack_mm", "q4_0": "_weight_int4pack_mm"}
+"""torch's own op nearest each format, timed in the same row."""
+
+
+def torch_counterpart(fmt: str, m: int, reps: int) -> float | None:
+    """GFLOP/s of ``TORCH_COUNTERPART[fmt]`` at [m, K] x [N, K]^T (None: torch has none)."""
+    if fmt not in TORCH_COUNTERPART:
+        return None
     flop = 2 * m * N * K
     g = torch.Generator().manual_seed(0)
     w8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
-    x8 = torch.randint(-127, 128, (max(m, 17), K), dtype=torch.int8, generator=g)  # _int_mm needs M > 16
     xb = torch.randn(m, K, generator=g).bfloat16()
-    scales = torch.rand(N, generator=g).bfloat16()
+    if fmt == "q8_0":
+        x8 = torch.randint(-127, 128, (max(m, 17), K), dtype=torch.int8, generator=g)  # _int_mm needs M > 16
+        return flop / best_s(lambda: torch._int_mm(x8, w8.t()), reps) / 1e9
+    if fmt == "int8":
+        scales = torch.rand(N, generator=g).bfloat16()
+        return flop / best_s(lambda: torch._weight_int8pack_mm(xb, w8, scales), reps) / 1e9
     w4 = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32, generator=g), 1)
     sz = torch.rand(K // 32, N, 2, generator=g).bfloat16()
-    out = {"torch._int_mm": flop / best_s(lambda: torch._int_mm(x8, w8.t()), reps),
-           "_weight_int8pack_mm": flop / best_s(lambda: torch._weight_int8pack_mm(xb, w8, scales), reps),
-           "_weight_int4pack_mm": flop / best_s(lambda: torch._weight_int4pack_mm_for_cpu(xb, w4, 32, sz), reps)}
-    return {k: v / 1e9 for k, v in out.items()}
+    return flop / best_s(lambda: torch._weight_int4pack_mm_for_cpu(xb, w4, 32, sz), reps) / 1e9
 
 
 def main(argv=None) -> int:
@@ -111,19 +118,20 @@ def main(argv=None) -> int:
     fp32_gemv = w32.numel() * 4 / best_s(lambda: x1 @ w32.t(), args.reps) / 1e9
     del w32
     print(f"DRAM stream read {dram:.1f} GB/s; torch fp32 GEMV {fp32_gemv:.1f} GB/s ({fp32_gemv / dram:.2f}x)")
-    print("| format | decode GB/s | of DRAM | M | int8 GFLOP/s | fp32 tiles | fp32 GEMM | int8 / tiles | int8 / GEMM |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| format | decode GB/s | of DRAM | M | int8 GFLOP/s | fp32 tiles | fp32 GEMM | int8 / tiles | int8 / GEMM "
+          "| torch's op (GFLOP/s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     w = torch.randn(N, K) * torch.rand(N, 1)
     for fmt in FORMATS:
         parts = quant.split(fmt, quant.quantise(fmt, w), (N, K))
         gb_s = decode_gb_s(mod, fmt, parts, target, args.reps)
         for m in (64, 512):
             r = prefill_gflop_s(mod, fmt, parts, m, args.reps)
+            theirs = torch_counterpart(fmt, m, args.reps)
+            op = "-" if theirs is None else f"{TORCH_COUNTERPART[fmt]} {theirs:.1f}"
             print(f"| {fmt} | {gb_s:.1f} | {gb_s / dram:.2f} | {m} | {r['int8']:.1f} | {r['tiles']:.1f} | "
-                  f"{r['fp32 GEMM']:.1f} | {r['int8'] / r['tiles']:.2f}x | {r['int8'] / r['fp32 GEMM']:.2f}x |", flush=True)
-    for m in (64, 512):
-        cand = torch_candidates(m, args.reps)
-        print(f"torch at M = {m}: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in cand.items()))
+                  f"{r['fp32 GEMM']:.1f} | {r['int8'] / r['tiles']:.2f}x | {r['int8'] / r['fp32 GEMM']:.2f}x | {op} |",
+                  flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
