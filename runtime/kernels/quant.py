@@ -192,7 +192,7 @@ def dequantise_rows(fmt: str, parts: tuple, n: int) -> torch.Tensor:
     return x.reshape(*lead, -1)[..., :n]
 
 
-QUANTISE_CHUNK_BYTES = 1 << 20
+QUANTISE_CHUNK_BYTES = 256 << 10
 """fp32 bytes of a weight quantised at a time: ``quantise_rows``' temporaries (a few times its
 input) stay this small whatever the weight's size."""
 
