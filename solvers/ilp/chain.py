@@ -166,33 +166,26 @@ class Chain:
     def _solve_dual(self, iters: int) -> tuple:
         if not self.any_fits():
             return [], None, float("inf")
-        seen = []
-        h = self.cost_to_go(0.0)
-        seen.append((0.0, h))
-        path, cost, nbytes = self._path(0.0, h)
+        seen = []  # (lam, its cost-to-go, the dual function's value there) of every lam evaluated
+        path, cost, nbytes, _ = self._probe(0.0, seen, lambda lam, c, y: c)
         if self.fits(nbytes):
-            return seen, (path, cost), cost
+            return self._ranked(seen, 0.0), (path, cost), cost
         sign = 1.0 if nbytes > self.upper else -1.0
         limit = (self.upper if sign > 0 else self.lower) / (1 << 30)
         side = lambda y: sign * (y / (1 << 30) - limit)  # noqa: E731  (> 0: the row is violated)
         line = lambda lam, c, y: c + lam * (y / (1 << 30) - limit)  # noqa: E731
         out = (path, cost, nbytes)
-        best = (0.0, h, cost)
         incumbent, inside = None, None
         lam = sign * max(1.0, abs(cost)) / max(abs(limit), 1.0)
         for _ in range(iters):   # a lam whose path fits
-            h = self.cost_to_go(lam)
-            seen.append((lam, h))
-            path, cost, nbytes = self._path(lam, h)
-            dual = line(lam, cost, nbytes)
-            if dual > best[2]:
-                best = (lam, h, dual)
+            path, cost, nbytes, _ = self._probe(lam, seen, line)
             if side(nbytes) <= 0:
                 inside = (path, cost, nbytes)
                 break
             out = (path, cost, nbytes)
             lam *= 8.0
         if inside is None:
+            best = max(seen, key=lambda x: x[2])
             return self._ranked(seen, best[0]), None, best[2]
         for _ in range(iters):
             if self.fits(inside[2]) and (incumbent is None or inside[1] < incumbent[1]):
@@ -201,12 +194,7 @@ class Chain:
             if slope_out == slope_in:
                 break
             lam = (inside[1] - out[1]) / (slope_out - slope_in)
-            h = self.cost_to_go(lam)
-            seen.append((lam, h))
-            path, cost, nbytes = self._path(lam, h)
-            dual = line(lam, cost, nbytes)
-            if dual > best[2]:
-                best = (lam, h, dual)
+            path, cost, nbytes, dual = self._probe(lam, seen, line)
             if dual >= line(lam, out[1], out[2]) - REL_TOL * abs(dual):
                 break  # no path below the crossing: lam maximises the dual
             if side(nbytes) > 0:
@@ -217,7 +205,18 @@ class Chain:
             incumbent = (inside[0], inside[1])
         if incumbent is not None:
             incumbent = self.improve(*incumbent)
+        best = max(seen, key=lambda x: x[2])
         return self._ranked(seen, best[0]), incumbent, best[2]
+
+    def _probe(self, lam: float, seen: list, line) -> tuple:
+        """One step of the dual search: the cost-to-go and least path at ``lam``, recorded in
+        ``seen`` with the dual function's value there, ``line(lam, cost, bytes)`` ->
+        (path, cost, bytes, dual)."""
+        h = self.cost_to_go(lam)
+        path, cost, nbytes = self._path(lam, h)
+        dual = line(lam, cost, nbytes)
+        seen.append((lam, h, dual))
+        return path, cost, nbytes, dual
 
     def improve(self, path: list, cost: float) -> tuple:
         """Local search from a plan that fits: repeatedly change the one block's option that
@@ -247,11 +246,12 @@ class Chain:
 
     @staticmethod
     def _ranked(seen, best_lam, keep: int = 4) -> list:
-        """The best multiplier and the ``keep`` - 1 others of its sign nearest to it (a bound
-        mixes one memory row), best first: the bounds the forward DP applies."""
+        """(lam, cost-to-go) of the best multiplier and of the ``keep`` - 1 others of its sign
+        nearest to it (a bound mixes one memory row), best first: the bounds the forward DP
+        applies."""
         same = sorted((x for x in seen if x[0] * best_lam >= 0 and x[0] != best_lam),
                       key=lambda x: abs(x[0] - best_lam))
-        return [next(x for x in seen if x[0] == best_lam)] + same[:keep - 1]
+        return [(x[0], x[1]) for x in [next(x for x in seen if x[0] == best_lam)] + same[:keep - 1]]
 
     # (2) the exact forward DP ---------------------------------------------------------------------
     TARGETS = (1e-6, 1e-5, 1e-4, 5e-4, 1e-3, 2e-3, 3e-3, 4.5e-3, 6e-3, 8e-3, 1e-2, 1.5e-2, 2e-2, 3e-2, 5e-2)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.graph import PHASES
-from hetplan.solvers.ilp.experts import stream_can_pay
+from hetplan.solvers.ilp.experts import split_bus_bytes, stream_can_pay
 from hetplan.solvers.ilp.objective import MS, block_costs, bus_bytes, duration_ms
 
 MODE_INDEX = {"G": 0, "S": 1, "C": 2}
@@ -154,7 +154,8 @@ def _moe_costs(problem, p, name, c, opts, r, s, i) -> tuple:
     """(D, t_load, bus bytes) over the options of MoE block ``name`` in phase p: resident, the
     split's expected time at its hot count (every expert on the GPU when its cold ones are
     streamed, their load then its h2d time); else the whole block on the GPU (streamed) or the
-    CPU. Its bus bytes leave the resident split out, as the MILP's rows do."""
+    CPU. Its bus bytes: the whole block's stage on its device, or the split's tasks at its hot
+    count (``experts.split_bus_bytes``; all E on the GPU when its cold experts are streamed)."""
     x = problem.experts[p][name]
     e = x.n_experts
     split = MS * np.asarray(x.split_times, dtype=float)
@@ -165,7 +166,10 @@ def _moe_costs(problem, p, name, c, opts, r, s, i) -> tuple:
     dur = np.where(r == 1, split[np.where(v == 1, e, n)], whole)
     load = np.where(r == 1, np.where(v == 1, cold_load[n], 0.0), MS * problem.load_s[name] * s)
     nbytes = c[0].stage.work.bytes
-    return dur, load, {"dram": nbytes * (1 - r - s), "hbm": nbytes * s * 1.0}
+    split_bytes = [split_bus_bytes(x, k) for k in range(e + 1)]
+    whole_bytes = {"dram": nbytes * (1 - s), "hbm": nbytes * s * 1.0}
+    return dur, load, {bus: np.where(r == 1, [split_bytes[k][bus] for k in np.where(v == 1, e, n)], whole_bytes[bus])
+                       for bus in whole_bytes}
 
 
 def tables(problem, slot_bytes, stream_cold: bool, depth: int, cache: dict | None = None) -> list:
