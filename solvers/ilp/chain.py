@@ -45,6 +45,7 @@ import numpy as np
 
 from hetplan.buses import capacities
 from hetplan.graph import PHASES
+from hetplan.solvers.ilp.chain_cells import cell_plans
 from hetplan.solvers.ilp.options import tables
 
 MAX_STATES = 600_000
@@ -277,20 +278,40 @@ class Chain:
         floor = ceiling - rel_gap * abs(ceiling) if ceiling < float("inf") else float("inf")
         if dual >= floor:
             return self._settle(incumbent, cutoff_ms, dual, 0)
+        res, used = self._targets(mults, dual, floor, max_states), max_states
+        if res is None and mults:
+            # the fronts outgrew their limit: a plan that fills the GPU with whole blocks
+            # (chain_cells) may lower the ceiling enough for the search to finish
+            plans = [self.improve(*p) for p in cell_plans(self, mults[0][0])]
+            if plans and min(p[1] for p in plans) < ceiling:
+                incumbent = min(plans, key=lambda p: p[1])
+                ceiling = min(incumbent[1], ceiling)
+                floor = ceiling - rel_gap * abs(ceiling)
+                if dual >= floor:
+                    return self._settle(incumbent, cutoff_ms, dual, used)
+                res, used = self._targets(mults, dual, floor, max_states), 2 * max_states
+        if res is None:
+            return self._settle(incumbent, cutoff_ms, dual, used, proven=False)
+        found, states = res
+        return found if found is not None else self._settle(incumbent, cutoff_ms, floor, states)
+
+    def _targets(self, mults, dual, floor, max_states):
+        """The forward DP under rising targets (``search``) -> (its plan, or None when nothing
+        lies under ``floor``; states), or None past ``max_states``."""
         used = 0
         for eps in self.TARGETS + (float("inf"),):
             target = min(dual + eps * abs(dual), floor) if eps < float("inf") else floor
             slack = REL_TOL * max(abs(target), 1.0) if target < float("inf") else 0.0
             res = self._forward(mults, target + slack, max_states - used)
             if res is None:
-                return self._settle(incumbent, cutoff_ms, dual, max_states, proven=False)
+                return None
             found, states = res
             used += states
             if found is not None:
-                return found
+                return found, used
             if target >= floor:
                 break
-        return self._settle(incumbent, cutoff_ms, floor, used)
+        return None, used
 
     def _settle(self, incumbent, cutoff_ms, bound_ms, states, proven=True) -> ChainResult:
         """The incumbent with a bound on every plan (or no plan, when none fits or the incumbent
