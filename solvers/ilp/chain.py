@@ -29,9 +29,12 @@ The search, per configuration:
         C + h_lambda(b, o) - lambda (U - Y),
     exceeds a target, raised from just above the dual bound towards the incumbent (less the
     gap tolerance). The first target under which a plan completes gives the optimum; when none
-    does, the incumbent is within the tolerance of every plan. If the fronts outgrow
-    ``max_states`` (the deterministic limit, like HiGHS's node limit) the search stops with
-    the incumbent and the dual bound, and says so (``ChainResult.proven``).
+    does, the incumbent is within the tolerance of every plan.
+(3) If the fronts outgrow ``max_states`` (the deterministic limit, like HiGHS's node limit):
+    plans that fill the GPU with whole blocks (``chain_cells``, a shortest path over HBM
+    cells), improved by the local search, replace the incumbent where better, and (2) runs
+    again under the lower ceiling with as many states. If it outgrows them too, the search
+    stops with the incumbent and the dual bound, and says so (``ChainResult.proven``).
 
 Knows the MILP's rows (through ``options``) and the schedule's chain; knows nothing about HiGHS
 or the plan's format.
