@@ -285,7 +285,7 @@ class Chain:
         if res is None and mults:
             # the fronts outgrew their limit: a plan that fills the GPU with whole blocks
             # (chain_cells) may lower the ceiling enough for the search to finish
-            plans = [self.improve(*p) for p in cell_plans(self, mults[0][0])]
+            plans = [self.improve(*p) for p in sorted(cell_plans(self, mults[0][0]), key=lambda p: p[1])[:4]]
             if plans and min(p[1] for p in plans) < ceiling:
                 incumbent = min(plans, key=lambda p: p[1])
                 ceiling = min(incumbent[1], ceiling)
