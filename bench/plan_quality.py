@@ -1,8 +1,8 @@
 """Plan quality on the golden scenarios: the ILP plan beside every baseline and the lower bound.
 
 For each plan in plans/ (or the given files): predicted TTFT and TPOT of the ILP plan and of
-each baseline (all-gpu, greedy, best ngl:N and ngl-nkvo:N, stream; for MoE models cpu-moe and
-best n-cpu-moe:N) on the same model, machine and workload; the ratio best fitting *faithful*
+each baseline (all-gpu, greedy, best ngl:N and ngl-nkvo:N, stream, flexgen; for MoE models
+cpu-moe, best n-cpu-moe:N and ktransformers) on the same model, machine and workload; the ratio best fitting *faithful*
 baseline / ILP on the scenario's objective (>= 1 means the ILP wins; faithful: the baselines that
 reproduce a tool, ``hetplan.solvers.baselines.FAITHFUL``, so not ``stream``); and how far the
 ILP plan is from the placement-independent lower bound (plan / bound, per phase). The detail

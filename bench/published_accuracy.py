@@ -45,7 +45,7 @@ CLASSES = ("consumer_gpu", "datacenter_gpu", "desktop_cpu", "server_cpu")
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4", "q8_0", "q4_k_m", "q4_0")
 METRICS = {"decode_tokens_per_s": "tokens/s", "prefill_tokens_per_s": "tokens/s",
            "throughput_tokens_per_s": "tokens/s", "tpot_s": "s", "ttft_s": "s"}
-STRATEGY = re.compile(r"^(all-gpu|greedy|stream|cpu-moe|ktransformers|ilp|ngl(:\d+)?|ngl-nkvo(:\d+)?|n-cpu-moe(:\d+)?)$")
+STRATEGY = re.compile(r"^(all-gpu|greedy|stream|cpu-moe|ktransformers|ilp|ngl(:\d+)?|ngl-nkvo(:\d+)?|n-cpu-moe(:\d+)?|flexgen(:\d+)?)$")
 UNITS = {"memory": re.compile(r"^\d+(\.\d+)?\s*[KMGT]i?B$"),
          "bandwidth": re.compile(r"^\d+(\.\d+)?\s*[KMGT]i?B/s$"),
          "flops": re.compile(r"^\d+(\.\d+)?\s*[GTP]FLOPS$")}

@@ -27,11 +27,13 @@ from hetplan.schedule import build_schedule
 from hetplan.units import format_bytes, parse_bytes
 from hetplan.workload import Workload, chunk_candidates
 
-STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe", "ktransformers")
+STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "flexgen", "cpu-moe", "n-cpu-moe",
+              "ktransformers")
 IMPORTED = ("from-llama.cpp", "from-accelerate", "from-vllm", "from-ktransformers")
 """Strategies that re-read an engine's configuration (``from-llama.cpp:ARGS``; hetplan.solvers.imported)."""
-COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe")
-"""Strategies that take a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``)."""
+COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe", "flexgen")
+"""Strategies that take a number: a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``) or
+FlexGen's GPU weight percent (``flexgen:W``)."""
 AUTO_DTYPES = ("q8_0", "q4_k_m")
 """Tried in order when ``--weight-dtype auto`` finds the native dtype does not fit."""
 
@@ -87,15 +89,18 @@ def parse_strategy(text: str) -> tuple[str, int | str | None]:
         return name, check_argument(name, arg)
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
-                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, cpu-moe, n-cpu-moe[:N], ktransformers, "
-                           f"from-llama.cpp:ARGS, from-accelerate:FILE|JSON, from-vllm:ARGS, from-ktransformers:FILE")
+                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, flexgen[:W], cpu-moe, n-cpu-moe[:N], "
+                           f"ktransformers, from-llama.cpp:ARGS, from-accelerate:FILE|JSON, from-vllm:ARGS, "
+                           f"from-ktransformers:FILE")
     if colon and not arg:
         raise HetplanError(f"--strategy {text}: N is missing after ':'; give {name}:N or {name} alone")
     if arg and name not in COUNTED:
-        raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo and n-cpu-moe take an argument (ngl:N, ngl-nkvo:N, n-cpu-moe:N)")
+        raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo, n-cpu-moe and flexgen take an argument "
+                           f"(ngl:N, ngl-nkvo:N, n-cpu-moe:N, flexgen:W)")
     if arg:
         if not arg.isdigit():
-            raise HetplanError(f"--strategy {text}: N must be a non-negative integer")
+            what = "W (the GPU weight percent)" if name == "flexgen" else "N"
+            raise HetplanError(f"--strategy {text}: {what} must be a non-negative integer")
         return name, int(arg)
     return name, None
 

@@ -10,6 +10,8 @@ byte layout of every quantised format, priced here and allocated by the runtime.
 
 from __future__ import annotations
 
+import functools
+
 from hetplan.errors import HetplanError
 
 BITS_PER_ELEMENT = {
@@ -80,6 +82,7 @@ def row_bytes(name: str, n: int) -> float:
     return n * bytes_per_element(name)
 
 
+@functools.lru_cache(maxsize=4096)  # an MoE model asks for the same few shapes a million times
 def packed_bytes(name: str, rows: int, cols: int) -> float:
     """Bytes of a ``[rows, cols]`` linear weight stored in a quantised format: every output row
     quantised on its own (``row_parts``, the layout the runtime's kernels read), each array

@@ -245,14 +245,16 @@ class Residency:
                 continue
             w = source.view(t, None)
             w = w.t() if local.endswith("_t") else w
-            flat[off:off + n].copy_(quant.quantise(self.fmt, w.to(flat.device)))
+            # rows at a time, each chunk's checkpoint pages let go once quantised (a transposed
+            # tensor's rows span every page: its pages go at the end)
+            rows_go = getattr(source, "release_rows", None) if not local.endswith("_t") else None
+            quant.quantise_into(self.fmt, w, flat[off:off + n],
+                                None if rows_go is None else (lambda r0, r1, t=t: rows_go(t, r0, r1)))
             del w
-            source.release(t)   # quantised tensor by tensor: the checkpoint's pages go as they are read
+            source.release(t)
         raw = flat[layout.raw_offset:].view(layout.raw_dtype)
         for local, off, shape in layout.raw:
-            t = by_local[local]
-            raw[off:off + numel(shape)].view(shape).copy_(source.view(t, None))
-            source.release(t)
+            source.fill(by_local[local], raw[off:off + numel(shape)].view(shape))  # chunked, pages let go
         return BlockWeights(p["block"], p["kind"], p["layer"], tier, flat, layout,
                             PackedView(self.fmt, flat, layout, self.buffers.get(tier), self.fused))
 

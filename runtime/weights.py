@@ -124,7 +124,7 @@ class Checkpoint:
         # Through a memoryview: while the tensor lives the mapping cannot be closed under it.
         return torch.frombuffer(memoryview(self._maps[f])[offset:offset + nbytes], dtype=dtype).view(shape)
 
-    FILL_CHUNK_BYTES = 8 << 20
+    FILL_CHUNK_BYTES = 2 << 20
     """Bytes copied out of the mapping before its pages are let go: the most a ``fill`` holds
     resident beside the placed copy."""
 
@@ -149,6 +149,12 @@ class Checkpoint:
         """Drop the tensor's pages from this process's resident set (``_drop`` over its bytes)."""
         _, _, _, offset, nbytes = self._entries[self.resolve(expected.checkpoint)]
         self._drop(expected, offset, nbytes)
+
+    def release_rows(self, expected: TensorSpec, r0: int, r1: int) -> None:
+        """Drop the pages of rows [r0, r1) (along the first dim) of the tensor."""
+        _, _, shape, offset, nbytes = self._entries[self.resolve(expected.checkpoint)]
+        row = nbytes // max(1, shape[0]) if shape else nbytes
+        self._drop(expected, offset + r0 * row, (r1 - r0) * row)
 
     def _drop(self, expected: TensorSpec, offset: int, nbytes: int) -> None:
         """``MADV_DONTNEED`` over file bytes [offset, offset + nbytes), widened to whole pages. The
@@ -220,6 +226,9 @@ class RandomWeights:
         return out
 
     def release(self, expected: TensorSpec) -> None:
+        return None
+
+    def release_rows(self, expected: TensorSpec, r0: int, r1: int) -> None:
         return None
 
     def fill(self, expected: TensorSpec, out: torch.Tensor) -> None:

@@ -17,11 +17,12 @@ from hetplan.problem import Problem
 LLAMA_CPP = "llama.cpp master of late 2026 (common/fit.cpp at 08033df, src/llama.cpp at 01649e6)"
 ACCELERATE = "Accelerate 1.x infer_auto_device_map (utils/modeling.py at 00cfd46)"
 KTRANSFORMERS = "kTransformers 0.2 (DeepSeek-V3/R1 tutorial, optimize rules DeepSeek-V3-Chat.yaml)"
+FLEXGEN = "FlexLLMGen (FlexGen) flexllmgen/flex_opt.py at 004ffef"
 FOLLOWS = {"all-gpu": "-", "greedy": ACCELERATE, "ngl": LLAMA_CPP, "ngl-nkvo": LLAMA_CPP,
-           "stream": "FlexGen-style policy (not a particular release)",
+           "stream": "FlexGen-style policy (not a particular release)", "flexgen": FLEXGEN,
            "cpu-moe": LLAMA_CPP, "n-cpu-moe": LLAMA_CPP, "ktransformers": KTRANSFORMERS}
 """strategy -> the tool and version its baseline follows."""
-FAITHFUL = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "cpu-moe", "n-cpu-moe", "ktransformers")
+FAITHFUL = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "flexgen", "cpu-moe", "n-cpu-moe", "ktransformers")
 """Baselines that reproduce a tool's placement and execution (``stream`` is a policy, not a
 particular release of FlexGen, whose own policy search picks other fractions)."""
 
@@ -124,13 +125,23 @@ def op_offload(problem: Problem) -> bool:
     return problem.has_gpu and wl.batch * wl.prompt_len >= OP_OFFLOAD_MIN_TOKENS
 
 
+def head_offload(problem: Problem) -> bool:
+    """Whether llama.cpp copies a host-resident output layer up for prefill. The graph keeps only
+    the positions that want logits before the output layer (``ggml_get_rows`` with
+    ``inp_out_ids``: the last token of each sequence), so the output matmul's batch is the number
+    of sequences, not the prompt's tokens, and op offload applies to it only from
+    ``OP_OFFLOAD_MIN_TOKENS`` sequences on."""
+    return problem.has_gpu and problem.workload.batch >= OP_OFFLOAD_MIN_TOKENS
+
+
 def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = None,
                offload: bool | None = None) -> Decision:
     """llama.cpp's execution of a placement: blocks in ``on_gpu`` resident in HBM, the others in
     DRAM. Decode computes each block where its weights are. Prefill with op offload computes a
     host-resident block on the GPU with its weights copied up (weights ``stream``, prefill exec
     ``stream``), and an MoE block's host-resident experts likewise (their expert tensors are
-    copied up); the embedding lookup stays on the CPU. The scheduler copies a split's inputs
+    copied up); the embedding lookup stays on the CPU, and so does a host-resident output layer
+    for fewer than 32 sequences (``head_offload``). The scheduler copies a split's inputs
     right before computing it (``ggml_backend_sched_compute_splits``); a host-to-CUDA weight copy
     has no async path, so it waits for the GPU to finish and copies synchronously: nothing is
     prefetched, staging depth 1, a copy never overlaps the compute before it.
@@ -149,7 +160,7 @@ def _llama_cpp(problem: Problem, on_gpu: set, kv: dict, experts: dict | None = N
             exec_["prefill"][b.name] = "stream" if cold and offload else "gpu"
             exec_["decode"][b.name] = "gpu"
         else:
-            copied = offload and b.streamable
+            copied = offload and b.streamable and (b.kind != "head" or head_offload(problem))
             weights[b.name] = "stream" if copied else "cpu"
             exec_["prefill"][b.name] = "stream" if copied else "cpu"
             exec_["decode"][b.name] = "cpu"
@@ -260,15 +271,94 @@ def stream(problem: Problem) -> Decision:
     staging slots (depth 2); KV caches on the GPU when they fit with the slots, else in DRAM."""
     if not problem.has_gpu:
         return all_cpu(problem)
+    weights = {b.name: "stream" if b.streamable else "cpu" for b in problem.blocks}
+    kv = _kv_beside_staging(problem, weights)
+    return _decision(problem, weights, kv, depth=2)
+
+
+def flexgen(problem: Problem, gpu_percent: int | None = None) -> Decision:
+    """FlexGen (FlexLLMGen ``flex_opt.py``) with ``--percent W 100-W C 100-C 0 100`` and
+    ``--cpu-cache-compute``: W% of the weights in HBM, the rest in pinned DRAM, loaded layer by
+    layer to the GPU one layer ahead of use (``load_weight(i, j + 1, k)`` on its own stream
+    while layer ``j`` computes: staging depth 2), every layer computed on the GPU.
+
+    Weights: ``init_weight_list`` places each tensor of a FlexGen layer (attention: q, k, v, out;
+    MLP: fc1, fc2) by the mid-point of its cumulative size within the layer, in the order
+    (disk, CPU, GPU): a tensor is in HBM when ``(cumsum - size / 2) / total >= 1 - W / 100``.
+    So W = 4 keeps none of OPT's matrices in HBM (the last, ``w_out``, has its mid-point at
+    87.5%). A block here is resident or not as a whole: the blocks are made resident, spread
+    evenly in model order, so that their bytes come nearest to the bytes FlexGen's rule keeps
+    in HBM (the same bytes cross PCIe per step). The token-embedding gather runs on the CPU.
+
+    KV cache (``C``, all or nothing): on the GPU when it fits beside the resident weights, the
+    two staging slots and the workspace, else in DRAM (C = 0). With the cache in DRAM, prefill
+    computes attention on the GPU and copies the new K/V down (``store_cache``); decode
+    computes attention on the CPU beside the cache (``cpu_cache_compute``: only q, k, v of the
+    new token and the attention output cross PCIe). ``gpu_percent=None`` takes the largest W
+    (in steps of 5) whose plan fits the GPU budget.
+
+    Leaves out: the norms and biases (FlexGen places them by the same rule; a few KB); the
+    zig-zag block schedule (a block of ``num_gpu_batches`` GPU batches shares one weight load,
+    with a ``torch.cuda.synchronize`` after each layer and GPU batch, so a layer's weight load
+    overlaps only the first GPU batch's compute: here the whole batch is one GPU batch and the
+    load overlaps the whole layer); activations homed in DRAM (``--percent`` A = 0: each
+    layer's hidden states copied down and back up); the CPU attention's own data movement
+    (``load_cache`` copies the fp16 cache into an fp32 workspace and ``mha_gen`` permutes K and V
+    into contiguous copies before ``bmm``: about 9 bytes moved per byte of cache, where hetplan's
+    CPU attention reads the cache once); the disk tier; compression (``--compress-weight``)."""
+    if not problem.has_gpu:
+        return all_cpu(problem)
+    if gpu_percent is None:
+        for w in range(100, -1, -5):
+            dec = flexgen(problem, w)
+            if _gpu_bytes(problem, dec) <= problem.gpu_budget_bytes:
+                return dec
+        return flexgen(problem, 0)
+    if not 0 <= gpu_percent <= 100:
+        raise HetplanError(f"--strategy flexgen:{gpu_percent}: the GPU weight percent W must be 0 to 100 "
+                           f"(FlexGen's first --percent value); omit it for the largest that fits")
+    weights = {b.name: "stream" if b.streamable else "cpu" for b in problem.blocks}
+    target = resident = 0.0
+    for b in problem.blocks:
+        if not b.streamable:
+            continue
+        target += flexgen_gpu_fraction(problem.model.linear_shapes(b.kind), gpu_percent) * b.weight_bytes
+        if resident + b.weight_bytes / 2 <= target:
+            weights[b.name], resident = "gpu", resident + b.weight_bytes
+    kv = _kv_beside_staging(problem, weights)
+    return _decision(problem, weights, kv, depth=2)
+
+
+def flexgen_gpu_fraction(shapes: list, gpu_percent: float) -> float:
+    """The fraction of a layer's matrix bytes FlexGen's ``init_weight_list`` puts in HBM: tensor
+    i is there when its cumulative mid-point ``(cumsum_i - size_i / 2) / total`` is at least
+    ``1 - gpu_percent / 100`` (the GPU is the last of disk, CPU, GPU)."""
+    sizes = [r * c for r, c in shapes]
+    total = sum(sizes)
+    if not total:
+        return gpu_percent / 100
+    on_gpu, cum = 0, 0
+    for size in sizes:
+        cum += size
+        if (cum - size / 2) / total >= 1 - gpu_percent / 100:
+            on_gpu += size
+    return on_gpu / total
+
+
+def _kv_beside_staging(problem: Problem, weights: dict) -> dict:
+    """KV caches on the GPU when they fit beside the resident weights, two staging slots and the
+    workspace; else in DRAM (attention without a separate core stage, ONNX blocks, then
+    computes beside its cache, on the CPU: ``weights`` is updated)."""
     blocks = problem.blocks
-    weights = {b.name: "stream" if b.streamable else "cpu" for b in blocks}
-    slots = 2 * max(b.weight_bytes for b in blocks if b.streamable)
+    resident = sum(b.weight_bytes for b in blocks if weights[b.name] == "gpu")
+    streamed = [b.weight_bytes for b in blocks if weights[b.name] == "stream"]
+    slots = 2 * max(streamed, default=0.0)
     kv_total = sum(b.kv_bytes for b in blocks)
-    kv_on = "gpu" if kv_total + slots + problem.gpu_workspace_bytes <= problem.gpu_budget_bytes else "cpu"
-    if kv_on == "cpu":  # attention without a separate core stage (ONNX blocks) computes beside its cache
+    on_gpu = resident + slots + kv_total + problem.gpu_workspace_bytes <= problem.gpu_budget_bytes
+    if not on_gpu:
         split = {st.block for st in problem.graph.stages["decode"] if st.follows == "kv"}
         weights.update({b.name: "cpu" for b in blocks if b.kind == "attn" and b.name not in split})
-    return _decision(problem, weights, {b.name: kv_on for b in blocks if b.kind == "attn"}, depth=2)
+    return {b.name: "gpu" if on_gpu else "cpu" for b in blocks if b.kind == "attn"}
 
 
 def _need_experts(problem: Problem, name: str) -> None:
@@ -282,7 +372,8 @@ def _gpu_bytes(problem: Problem, dec: Decision) -> float:
     return memory_report(problem, dec)[0]["gpu_bytes"]
 
 
-BASELINES = {"all-gpu": all_gpu, "greedy": greedy, "ngl": ngl, "ngl-nkvo": ngl_nkvo, "stream": stream}
+BASELINES = {"all-gpu": all_gpu, "greedy": greedy, "ngl": ngl, "ngl-nkvo": ngl_nkvo, "stream": stream,
+             "flexgen": flexgen}
 """Baselines for every model."""
 MOE_BASELINES = {"cpu-moe": cpu_moe, "n-cpu-moe": n_cpu_moe, "ktransformers": ktransformers}
 """Baselines for mixture-of-experts models only."""

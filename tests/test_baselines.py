@@ -10,6 +10,9 @@ out by hand here from the tools' rules on small models:
 - Accelerate ``device_map="auto"``: modules in order onto the GPU while they fit in the budget
   less the largest module not yet placed; weights only (no KV); offloaded modules copied to
   the GPU synchronously before use.
+- FlexGen ``--percent W ...``: a tensor of a layer is in HBM when the mid-point of its cumulative
+  size within the layer is at least 1 - W/100; the rest streamed one layer ahead; KV caches in
+  DRAM when they do not fit, with decode attention on the CPU and prefill attention on the GPU.
 
 Sizes of the tiny llama (4 layers, hidden 256, 4 heads of 64 with 2 KV heads, MLP 512, vocab
 1000, fp16, RMSNorm), in bytes at 2 per parameter:
@@ -91,6 +94,16 @@ def test_prompts_of_32_tokens_compute_dram_layers_on_the_gpu_with_their_weights_
         assert dec.kv["attn_0"] == "cpu" and dec.depth == 1
     below = baselines.ngl(problem(prompt_len=31), 1)
     assert placed(below, "attn_0", "mlp_3") == [("cpu", "cpu", "cpu")] * 2
+
+
+def test_op_offload_leaves_a_dram_output_layer_on_the_cpu_for_fewer_than_32_sequences():
+    # llama.cpp keeps only each sequence's last position before the output layer, so its matmul
+    # has one row per sequence: a 512-token prompt of one sequence computes it on the CPU.
+    one = baselines.ngl(problem(prompt_len=512), 0)
+    assert placed(one, "head") == [("cpu", "cpu", "cpu")]
+    assert placed(one, "attn_0") == [("stream", "stream", "cpu")]
+    many = baselines.ngl(problem(prompt_len=16, batch=32), 0)
+    assert placed(many, "head") == [("stream", "stream", "cpu")]
 
 
 def test_op_offload_copies_each_layer_right_before_use_never_ahead():
@@ -207,6 +220,71 @@ def test_accelerate_counts_no_kv_cache():
     assert memory_report(long, baselines.greedy(long))[0]["gpu_bytes"] > budget
 
 
+# -- FlexGen ------------------------------------------------------------------------------------
+
+def test_flexgen_mid_point_rule_on_opt_and_llama_layers():
+    # OPT attention: 4 equal matrices, mid-points 12.5, 37.5, 62.5, 87.5 %; MLP fc1, fc2 at 25, 75 %
+    opt_attn, opt_mlp = [(64, 64)] * 4, [(256, 64), (64, 256)]
+    assert baselines.flexgen_gpu_fraction(opt_attn, 4) == 0.0      # the paper's 30B policy: no matrix
+    assert baselines.flexgen_gpu_fraction(opt_attn, 13) == 0.25     # w_out (87.5 >= 87)
+    assert baselines.flexgen_gpu_fraction(opt_attn, 50) == 0.5
+    assert baselines.flexgen_gpu_fraction(opt_mlp, 24) == 0.0
+    assert baselines.flexgen_gpu_fraction(opt_mlp, 25) == 0.5
+    # tiny llama attention q 65536, k 32768, v 32768, o 65536 params: mid-points 1/6, 5/12, 7/12, 5/6
+    # of 196608; at W = 50 v and o are in HBM: 98304 / 196608. MLP three equal: 1/6, 1/2, 5/6 -> 2/3
+    spec = tiny_spec(n_layers=4)
+    assert baselines.flexgen_gpu_fraction(spec.linear_shapes("attn"), 50) == 0.5
+    assert baselines.flexgen_gpu_fraction(spec.linear_shapes("mlp"), 50) == pytest.approx(2 / 3)
+
+
+def test_flexgen_keeps_the_rules_bytes_resident_as_whole_blocks_spread_in_order():
+    p = problem(prompt_len=32)
+    # W = 50: targets accumulate 0.5 ATTN + 2/3 MLP per layer and 1.0 HEAD; a block is resident
+    # when (resident + its half) <= target: attn_0 (196 864 <= 196 864), not mlp_0 (787 200 >
+    # 721 493), attn_1, mlp_1, not attn_2, mlp_2, not attn_3, mlp_3, not the head (3 404 544 > 3 398 485)
+    dec = baselines.flexgen(p, 50)
+    assert sorted(b for b, w in dec.weights.items() if w == "gpu") == ["attn_0", "attn_1", "mlp_1", "mlp_2",
+                                                                       "mlp_3"]
+    assert placed(dec, "attn_2", "mlp_0", "head") == [("stream", "stream", "stream")] * 3
+    assert placed(dec, "embed") == [("cpu", "cpu", "cpu")]          # the gather stays in DRAM
+    assert dec.depth == 2                                           # layer j + 1 loads while j computes
+    assert {w for b, w in baselines.flexgen(p, 4).weights.items() if b != "embed"} == {"stream"}
+    assert set(baselines.flexgen(p, 100).weights.values()) == {"gpu", "cpu"}
+
+
+def test_flexgen_kv_in_dram_computes_decode_attention_on_the_cpu_and_prefill_on_the_gpu():
+    from hetplan.schedule import build_schedule
+    kv = 4 * (32 + 4000) * KV_PER_TOKEN                              # 4 layers of 4032 tokens
+    ws = problem(prompt_len=32, gen_len=4000).gpu_workspace_bytes
+    fits = problem(prompt_len=32, gen_len=4000, gpu_bytes=ws + 2 * MLP + kv)
+    assert set(baselines.flexgen(fits, 0).kv.values()) == {"gpu"}
+    p = problem(prompt_len=32, gen_len=4000, gpu_bytes=ws + 2 * MLP + kv - 1)
+    dec = baselines.flexgen(p, 0)
+    assert set(dec.kv.values()) == {"cpu"}
+    sched = build_schedule(p, dec)
+    where = {ph: {t.resource for t in sched[ph].tasks if t.kind == "attn_core"} for ph in ("prefill", "decode")}
+    assert where == {"prefill": {"gpu"}, "decode": {"cpu"}}
+    assert {t.resource for t in sched["decode"].tasks if t.kind in ("attn_in", "attn_out", "mlp")} == {"gpu"}
+    assert any(t.kind == "kv_down" for t in sched["prefill"].tasks)   # store_cache after prefill
+
+
+def test_flexgen_without_a_percent_takes_the_largest_that_fits():
+    ws = problem(prompt_len=32).gpu_workspace_bytes
+    weights, kv = 4 * LAYER + HEAD, 4 * 48 * KV_PER_TOKEN          # W = 100: no staging slot
+    full = baselines.flexgen(problem(prompt_len=32, gpu_bytes=ws + kv + weights))
+    assert set(full.weights.values()) == {"gpu", "cpu"} and set(full.kv.values()) == {"gpu"}
+    # one byte short: the weights stay, the caches go to DRAM (they are what no longer fits)
+    evict = baselines.flexgen(problem(prompt_len=32, gpu_bytes=ws + kv + weights - 1))
+    assert set(evict.weights.values()) == {"gpu", "cpu"} and set(evict.kv.values()) == {"cpu"}
+    # short of the weights alone: some blocks stream, at the step (of 5) whose next step up does not fit
+    budget = ws + weights - 1
+    short = problem(prompt_len=32, gpu_bytes=budget)
+    dec = baselines.flexgen(short)
+    w = max(w for w in range(0, 101, 5) if baselines.flexgen(short, w).weights == dec.weights)
+    assert "stream" in dec.weights.values() and memory_report(short, dec)[0]["gpu_bytes"] <= budget
+    assert memory_report(short, baselines.flexgen(short, w + 5))[0]["gpu_bytes"] > budget
+
+
 # -- the compare table --------------------------------------------------------------------------
 
 def test_compare_says_which_tool_version_each_baseline_follows():
@@ -218,6 +296,8 @@ def test_compare_says_which_tool_version_each_baseline_follows():
     for name in ("ngl", "ngl-nkvo"):
         assert rows[name]["follows"].startswith("llama.cpp") and "fit.cpp" in rows[name]["follows"]
     assert rows["greedy"]["follows"].startswith("Accelerate")
+    assert rows["flexgen"]["follows"].startswith("FlexLLMGen") and "flex_opt.py" in rows["flexgen"]["follows"]
+    assert all(r["follows"] not in ("", None) for r in rows.values())
     assert "llama.cpp" in compare_table(list(rows.values()), "latency")
 
 

@@ -15,7 +15,7 @@ import pytest
 from tests.errors.workdir import error_lines
 
 SMALL = ["llama-3.1-8b", "--hw", "rtx4090-64g"]
-BASELINE_NAMES = ("all-gpu", "greedy", "ngl:", "ngl-nkvo:", "stream")
+BASELINE_NAMES = ("all-gpu", "greedy", "ngl:", "ngl-nkvo:", "stream", "flexgen")
 
 
 def hetplan(*args, cwd=None):
@@ -100,7 +100,7 @@ def test_compare_json_says_which_baseline_does_not_fit_and_by_how_much(tmp_path)
                    "--prompt-len", "128", "--gen-len", "16", "--compare", "--json", "-o", tmp_path / "p.json")
     assert proc.returncode == 0, proc.stderr
     rows = {r["strategy"].split(":")[0]: r for r in json.loads(proc.stdout)["compare"][1:]}
-    assert set(rows) == {"all-gpu", "greedy", "ngl", "ngl-nkvo", "stream"}
+    assert set(rows) == {"all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "flexgen"}
     assert not rows["all-gpu"]["fits"] and rows["all-gpu"]["ratio_to_chosen"] is None
     assert rows["all-gpu"]["missing_bytes"]["gpu"] >= 13.4e9 - 10 * 2**30
     assert rows["ngl"]["fits"] and rows["greedy"]["fits"]
@@ -287,3 +287,10 @@ def test_the_printed_compile_time_includes_building_the_problem(monkeypatch):
     _, took = compile_plan(CompileRequest(model="gpt2", hw="rtx4090-64g"))
     assert took.wall_s >= 0.3 and took.solve_s < took.wall_s - 0.3 + 1e-9
     assert took.cpu_s >= 0
+
+
+@pytest.mark.parametrize("strategy,needle", [("flexgen:101", "must be 0 to 100"), ("flexgen:x", "W (the GPU weight")])
+def test_a_bad_flexgen_percent_is_one_line_naming_it(tmp_path, strategy, needle):
+    line = user_error("compile", *SMALL, "--strategy", strategy, "-o", tmp_path / "p.json")
+    assert strategy in line and needle in line
+    assert not (tmp_path / "p.json").exists()

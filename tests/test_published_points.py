@@ -65,3 +65,22 @@ def test_a_malformed_point_is_refused_naming_the_file_and_the_point(tmp_path, ed
 def test_the_bench_exits_2_on_a_malformed_file(tmp_path):
     one_file(tmp_path, lambda d: d["points"][0]["source"].pop("quote"))
     assert PA.main(["--data", str(tmp_path), "--check"]) == 2
+
+
+def test_flexgen_policies_map_to_flexgen_with_the_policys_gpu_weight_percent(tmp_path):
+    # FlexGen's own runs that split weights between GPU and DRAM are compiled with flexgen:W, W the
+    # policy's "weights % GPU"; the policy (20x4, 4, 96, 0, 100, 0, 100) keeps no OPT matrix in HBM
+    # (mid-points 12.5..87.5 % < 96 %) and its KV cache in DRAM
+    import re
+    split = [p for p in POINTS if p["tool"]["name"] == "FlexGen"
+             and re.search(r"policy \(\d+×\d+, (\d+), (\d+),", p["setting"])
+             and 0 < int(re.search(r"policy \(\d+×\d+, (\d+),", p["setting"]).group(1)) < 100]
+    assert split, "no FlexGen point with a partial weight split"
+    for p in split:
+        w = int(re.search(r"policy \(\d+×\d+, (\d+),", p["setting"]).group(1))
+        assert p["strategy"] == f"flexgen:{w}", p["id"]
+    p = next(p for p in split if p["id"] == "flexgen-paper-opt-30b-t4-flexgen-b80")
+    PA.Runner(None, keep=tmp_path).predict(p, {})
+    plan = json.loads((tmp_path / p["id"] / "plan.json").read_text())
+    assert {b["weights"] for b in plan["placement"] if b["kind"] != "embed"} == {"stream"}
+    assert {b["kv"] for b in plan["placement"] if b["kind"] == "attn"} == {"cpu"}

@@ -192,7 +192,7 @@ SCENARIOS = {
     "llama-3.1-8b-cpu-64g": lambda: (load_model("llama-3.1-8b"), load_node("cpu-64g"),
                                      Workload(batch=1, prompt_len=128, gen_len=32)),
 }
-STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl:1", "stream")
+STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl:1", "stream", "flexgen", "flexgen:50")
 MOE_STRATEGIES = ("cpu-moe", "n-cpu-moe", "n-cpu-moe:1")
 _PLANS = {}
 

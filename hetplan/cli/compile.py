@@ -41,7 +41,7 @@ Examples:
 @click.option("--strategy", default="ilp", show_default=True, metavar="NAME",
               help="ilp (exact MILP), all-gpu, greedy (Accelerate device_map=auto), ngl[:N] "
                    "(llama.cpp -ngl; N omitted = what --fit picks), ngl-nkvo[:N] (-ngl N -nkvo), "
-                   "stream (FlexGen-style), cpu-moe, n-cpu-moe[:N] (llama.cpp --cpu-moe, --n-cpu-moe), "
+                   "stream (FlexGen-style), flexgen[:W] (FlexGen --percent W; W omitted = the most that fits), cpu-moe, n-cpu-moe[:N] (llama.cpp --cpu-moe, --n-cpu-moe), "
                    "ktransformers (experts on the CPU in both phases).")
 @click.option("--objective", default="latency", show_default=True,
               type=click.Choice(["latency", "ttft", "tpot", "throughput"]),

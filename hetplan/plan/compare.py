@@ -16,8 +16,9 @@ from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Plan
 from hetplan.problem import Problem, build_problem
 
-BASELINE_ORDER = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "stream")
-"""Baselines listed by ``--compare``; ``ngl`` and ``ngl-nkvo`` are shown at their best layer count."""
+BASELINE_ORDER = ("all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "flexgen")
+"""Baselines listed by ``--compare``; ``ngl`` and ``ngl-nkvo`` are shown at their best layer count,
+``flexgen`` at the largest GPU weight percent that fits."""
 MOE_BASELINE_ORDER = ("cpu-moe", "n-cpu-moe", "ktransformers")
 """Listed besides for MoE models; ``n-cpu-moe`` at its best layer count."""
 
@@ -82,7 +83,7 @@ def compare(plan: Plan, req: CompileRequest) -> list:
         rows = [Candidate(plan.solver["strategy"], plan, {} if fits(plan) else missing_bytes(plan), chosen=True)]
         for i, name in enumerate(names):
             progress.activity(f"{i + 1}/{len(names)} {name}")
-            rows.append(best_count(problem, req, name) if name in COUNTED
+            rows.append(best_count(problem, req, name) if name in COUNTED and name != "flexgen"
                         else _baseline(problem, name, None, req))
     return rows
 

@@ -7,8 +7,11 @@ it runs:
 
 - a packed weight on the CPU: the native kernel (``native``), which reads the packed bytes:
   for up to 8 rows of x each block of 32 weights is dequantised in registers and multiplied
-  at once (decode reads each weight byte once per step); for more rows a tile of about 1 MiB
-  of weights is dequantised into cache and multiplied by torch's GEMM (prefill).
+  at once (decode reads each weight byte once per step); for more rows (prefill), on a CPU
+  with AVX-512 VNNI, x is quantised per block of 32 as q8_0 is and each block multiplied in
+  int8 (quantising x moves an output by at most sum over blocks b of
+  (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation), and elsewhere (or ``HETPLAN_INT8_PREFILL=0``)
+  a tile of about 1 MiB of weights is dequantised into cache and multiplied by torch's GEMM.
 - a packed weight elsewhere (CUDA), or where the native kernel did not build: the same tiling
   in torch, a tile of ``TILE_ELEMS`` weights dequantised (``quant.dequantise_rows``) and
   multiplied at a time, never the whole weight.
@@ -79,7 +82,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     if isinstance(w, PackedLinear):
         y = packed_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
     elif _native_16bit(x, w):
-        y = native.module().matmul(x.reshape(-1, x.shape[-1]).float(), FORMAT_IDS[w.dtype], w.shape[1], [w])
+        y = native.module().matmul(x.reshape(-1, x.shape[-1]).float(), FORMAT_IDS[w.dtype], w.shape[1], [w], False)
         y = y.to(x.dtype).view(*x.shape[:-1], -1)
     else:
         return F.linear(x, w, bias)
@@ -95,10 +98,11 @@ def linear_t(x: torch.Tensor, w) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype, reading ``w``'s packed bytes."""
     mod = native.module() if w.device.type == "cpu" else None
+    int8 = int8_prefill()
     outs = []
     for seg in w.segments:
         if mod is not None:
-            outs.append(mod.matmul(x.float().contiguous(), FORMAT_IDS[w.fmt], w.cols, list(seg)).to(x.dtype))
+            outs.append(mod.matmul(x.float().contiguous(), FORMAT_IDS[w.fmt], w.cols, list(seg), int8).to(x.dtype))
         else:
             outs.append(_tiled(x, w.fmt, w.cols, seg))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -114,6 +118,14 @@ def _tiled(x: torch.Tensor, fmt: str, cols: int, seg: tuple) -> torch.Tensor:
         tile = quant.dequantise_rows(fmt, tuple(p[r0:r1] for p in seg), cols).to(x.dtype)
         out[:, r0:r1] = x @ tile.t()
     return out
+
+
+def int8_prefill() -> bool:
+    """Whether the native kernel multiplies prefill-sized x in int8: it was built with AVX-512
+    VNNI (``has_int8``) and ``HETPLAN_INT8_PREFILL`` is not ``0`` (which runs the fp32 tiles)."""
+    import os
+    mod = native.module()
+    return mod is not None and mod.has_int8() and os.environ.get("HETPLAN_INT8_PREFILL") != "0"
 
 
 _CPU_16BIT: dict = {}

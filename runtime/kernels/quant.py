@@ -192,10 +192,31 @@ def dequantise_rows(fmt: str, parts: tuple, n: int) -> torch.Tensor:
     return x.reshape(*lead, -1)[..., :n]
 
 
+QUANTISE_CHUNK_BYTES = 256 << 10
+"""fp32 bytes of a weight quantised at a time: ``quantise_rows``' temporaries (a few times its
+input) stay this small whatever the weight's size."""
+
+
 def quantise(fmt: str, w: torch.Tensor) -> torch.Tensor:
     """w [out, in] (any float dtype) -> packed uint8 [nbytes(fmt, w.shape)] on w's device: each
     row quantised on its own, the ``row_parts`` arrays [out, count] one after the other."""
-    return torch.cat([_bytes(p) for p in quantise_rows(fmt, w)])
+    return quantise_into(fmt, w, torch.empty(nbytes(fmt, tuple(w.shape)), dtype=torch.uint8, device=w.device))
+
+
+def quantise_into(fmt: str, w: torch.Tensor, out: torch.Tensor, done=None) -> torch.Tensor:
+    """``quantise(fmt, w)`` written into ``out`` (uint8 [nbytes], any device) rows at a time,
+    ``QUANTISE_CHUNK_BYTES`` of fp32 values per step; ``done(r0, r1)`` after rows [r0, r1) (the
+    caller lets their source pages go)."""
+    rows, cols = w.shape
+    parts = split(fmt, out, (rows, cols))
+    step = max(1, QUANTISE_CHUNK_BYTES // (4 * max(1, cols)))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        for dst, src in zip(parts, quantise_rows(fmt, w[r0:r1].to(out.device))):
+            dst[r0:r1].copy_(src)
+        if done is not None:
+            done(r0, r1)
+    return out
 
 
 def split(fmt: str, packed: torch.Tensor, shape: tuple) -> tuple:

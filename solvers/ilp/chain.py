@@ -29,9 +29,12 @@ The search, per configuration:
         C + h_lambda(b, o) - lambda (U - Y),
     exceeds a target, raised from just above the dual bound towards the incumbent (less the
     gap tolerance). The first target under which a plan completes gives the optimum; when none
-    does, the incumbent is within the tolerance of every plan. If the fronts outgrow
-    ``max_states`` (the deterministic limit, like HiGHS's node limit) the search stops with
-    the incumbent and the dual bound, and says so (``ChainResult.proven``).
+    does, the incumbent is within the tolerance of every plan.
+(3) If the fronts outgrow ``max_states`` (the deterministic limit, like HiGHS's node limit):
+    plans that fill the GPU with whole blocks (``chain_cells``, a shortest path over HBM
+    cells), improved by the local search, replace the incumbent where better, and (2) runs
+    again under the lower ceiling with as many states. If it outgrows them too, the search
+    stops with the incumbent and the dual bound, and says so (``ChainResult.proven``).
 
 Knows the MILP's rows (through ``options``) and the schedule's chain; knows nothing about HiGHS
 or the plan's format.
@@ -45,6 +48,7 @@ import numpy as np
 
 from hetplan.buses import capacities
 from hetplan.graph import PHASES
+from hetplan.solvers.ilp.chain_cells import cell_plans
 from hetplan.solvers.ilp.options import tables
 
 MAX_STATES = 600_000
@@ -166,33 +170,26 @@ class Chain:
     def _solve_dual(self, iters: int) -> tuple:
         if not self.any_fits():
             return [], None, float("inf")
-        seen = []
-        h = self.cost_to_go(0.0)
-        seen.append((0.0, h))
-        path, cost, nbytes = self._path(0.0, h)
+        seen = []  # (lam, its cost-to-go, the dual function's value there) of every lam evaluated
+        path, cost, nbytes, _ = self._probe(0.0, seen, lambda lam, c, y: c)
         if self.fits(nbytes):
-            return seen, (path, cost), cost
+            return self._ranked(seen, 0.0), (path, cost), cost
         sign = 1.0 if nbytes > self.upper else -1.0
         limit = (self.upper if sign > 0 else self.lower) / (1 << 30)
         side = lambda y: sign * (y / (1 << 30) - limit)  # noqa: E731  (> 0: the row is violated)
         line = lambda lam, c, y: c + lam * (y / (1 << 30) - limit)  # noqa: E731
         out = (path, cost, nbytes)
-        best = (0.0, h, cost)
         incumbent, inside = None, None
         lam = sign * max(1.0, abs(cost)) / max(abs(limit), 1.0)
         for _ in range(iters):   # a lam whose path fits
-            h = self.cost_to_go(lam)
-            seen.append((lam, h))
-            path, cost, nbytes = self._path(lam, h)
-            dual = line(lam, cost, nbytes)
-            if dual > best[2]:
-                best = (lam, h, dual)
+            path, cost, nbytes, _ = self._probe(lam, seen, line)
             if side(nbytes) <= 0:
                 inside = (path, cost, nbytes)
                 break
             out = (path, cost, nbytes)
             lam *= 8.0
         if inside is None:
+            best = max(seen, key=lambda x: x[2])
             return self._ranked(seen, best[0]), None, best[2]
         for _ in range(iters):
             if self.fits(inside[2]) and (incumbent is None or inside[1] < incumbent[1]):
@@ -201,12 +198,7 @@ class Chain:
             if slope_out == slope_in:
                 break
             lam = (inside[1] - out[1]) / (slope_out - slope_in)
-            h = self.cost_to_go(lam)
-            seen.append((lam, h))
-            path, cost, nbytes = self._path(lam, h)
-            dual = line(lam, cost, nbytes)
-            if dual > best[2]:
-                best = (lam, h, dual)
+            path, cost, nbytes, dual = self._probe(lam, seen, line)
             if dual >= line(lam, out[1], out[2]) - REL_TOL * abs(dual):
                 break  # no path below the crossing: lam maximises the dual
             if side(nbytes) > 0:
@@ -217,7 +209,18 @@ class Chain:
             incumbent = (inside[0], inside[1])
         if incumbent is not None:
             incumbent = self.improve(*incumbent)
+        best = max(seen, key=lambda x: x[2])
         return self._ranked(seen, best[0]), incumbent, best[2]
+
+    def _probe(self, lam: float, seen: list, line) -> tuple:
+        """One step of the dual search: the cost-to-go and least path at ``lam``, recorded in
+        ``seen`` with the dual function's value there, ``line(lam, cost, bytes)`` ->
+        (path, cost, bytes, dual)."""
+        h = self.cost_to_go(lam)
+        path, cost, nbytes = self._path(lam, h)
+        dual = line(lam, cost, nbytes)
+        seen.append((lam, h, dual))
+        return path, cost, nbytes, dual
 
     def improve(self, path: list, cost: float) -> tuple:
         """Local search from a plan that fits: repeatedly change the one block's option that
@@ -247,11 +250,12 @@ class Chain:
 
     @staticmethod
     def _ranked(seen, best_lam, keep: int = 4) -> list:
-        """The best multiplier and the ``keep`` - 1 others of its sign nearest to it (a bound
-        mixes one memory row), best first: the bounds the forward DP applies."""
+        """(lam, cost-to-go) of the best multiplier and of the ``keep`` - 1 others of its sign
+        nearest to it (a bound mixes one memory row), best first: the bounds the forward DP
+        applies."""
         same = sorted((x for x in seen if x[0] * best_lam >= 0 and x[0] != best_lam),
                       key=lambda x: abs(x[0] - best_lam))
-        return [next(x for x in seen if x[0] == best_lam)] + same[:keep - 1]
+        return [(x[0], x[1]) for x in [next(x for x in seen if x[0] == best_lam)] + same[:keep - 1]]
 
     # (2) the exact forward DP ---------------------------------------------------------------------
     TARGETS = (1e-6, 1e-5, 1e-4, 5e-4, 1e-3, 2e-3, 3e-3, 4.5e-3, 6e-3, 8e-3, 1e-2, 1.5e-2, 2e-2, 3e-2, 5e-2)
@@ -277,20 +281,40 @@ class Chain:
         floor = ceiling - rel_gap * abs(ceiling) if ceiling < float("inf") else float("inf")
         if dual >= floor:
             return self._settle(incumbent, cutoff_ms, dual, 0)
+        res, used = self._targets(mults, dual, floor, max_states), max_states
+        if res is None and mults:
+            # the fronts outgrew their limit: a plan that fills the GPU with whole blocks
+            # (chain_cells) may lower the ceiling enough for the search to finish
+            plans = [self.improve(*p) for p in sorted(cell_plans(self, mults[0][0]), key=lambda p: p[1])[:4]]
+            if plans and min(p[1] for p in plans) < ceiling:
+                incumbent = min(plans, key=lambda p: p[1])
+                ceiling = min(incumbent[1], ceiling)
+                floor = ceiling - rel_gap * abs(ceiling)
+                if dual >= floor:
+                    return self._settle(incumbent, cutoff_ms, dual, used)
+                res, used = self._targets(mults, dual, floor, max_states), 2 * max_states
+        if res is None:
+            return self._settle(incumbent, cutoff_ms, dual, used, proven=False)
+        found, states = res
+        return found if found is not None else self._settle(incumbent, cutoff_ms, floor, states)
+
+    def _targets(self, mults, dual, floor, max_states):
+        """The forward DP under rising targets (``search``) -> (its plan, or None when nothing
+        lies under ``floor``; states), or None past ``max_states``."""
         used = 0
         for eps in self.TARGETS + (float("inf"),):
             target = min(dual + eps * abs(dual), floor) if eps < float("inf") else floor
             slack = REL_TOL * max(abs(target), 1.0) if target < float("inf") else 0.0
             res = self._forward(mults, target + slack, max_states - used)
             if res is None:
-                return self._settle(incumbent, cutoff_ms, dual, max_states, proven=False)
+                return None
             found, states = res
             used += states
             if found is not None:
-                return found
+                return found, used
             if target >= floor:
                 break
-        return self._settle(incumbent, cutoff_ms, floor, used)
+        return None, used
 
     def _settle(self, incumbent, cutoff_ms, bound_ms, states, proven=True) -> ChainResult:
         """The incumbent with a bound on every plan (or no plan, when none fits or the incumbent

@@ -87,6 +87,21 @@ class ExpertVars:
         return start + base + MS * (pulp.lpSum(split[n] * self.y[b, n] for n in range(x.n_experts + 1))
                                     + pulp.lpSum((every - split[n]) * v for n, v in streams))
 
+    def bus_bytes(self, p, b) -> dict:
+        """bus -> bytes (an affine expression) the expert split of block b moves in phase p:
+        sum_n B_x(n) (y_bn - v_bnp) + B_x(E) sum_n v_bnp (``split_bus_bytes``; 0 when not
+        resident)."""
+        x = self.problem.experts[p][b]
+        e = x.n_experts
+        every = split_bus_bytes(x, e)
+        streams = self._streams(b, p)
+        out = {}
+        for bus in ("dram", "hbm"):
+            terms = [(self.y[b, n], split_bus_bytes(x, n)[bus]) for n in range(e + 1)]
+            terms += [(v, every[bus] - split_bus_bytes(x, n)[bus]) for n, v in streams]
+            out[bus] = pulp.LpAffineExpression([(v, c) for v, c in terms if c])
+        return out
+
     def min_split_s(self, p, b) -> float:
         """Least duration of block b resident on the GPU over every expert count."""
         return min(self.problem.experts[p][b].split_times)
@@ -99,6 +114,23 @@ class ExpertVars:
 
     def hot_count(self, b) -> int:
         return next((n for n in range(self.layers[b].n_experts + 1) if (self.y[b, n].value() or 0.0) > 0.5), 0)
+
+
+def split_bus_bytes(x, n: int) -> dict:
+    """bus -> bytes the expert split of ``x`` (an ``ExpertLayer``) with ``n`` experts on the
+    GPU moves over it (``schedule._split_tasks``' tasks by resource, ``hetplan.buses``): the
+    router, the hot experts and the merge on HBM, the cold experts on DRAM, their rows copied
+    down and up over both:
+        hbm  = B_route + B_hot(n) + [n < E] (B_merge(n) + rows_down(n) + rows_up(n))
+        dram = [n < E] (B_cold(n) + rows_down(n) + rows_up(n))
+    (n = E: every expert on the GPU, also the split of a block whose cold experts are streamed).
+    All three formulations (per-block MILP, chain DP, count MILP) count these bytes in their
+    bus rows, so they are one model."""
+    hbm = x.route_work()[1] + x.hot_work(n)[1]
+    if n >= x.n_experts:
+        return {"dram": 0.0, "hbm": hbm}
+    rows = x.down_bytes(n) + x.up_bytes(n)
+    return {"dram": x.cold_work(n)[1] + rows, "hbm": hbm + x.merge_bytes(n) + rows}
 
 
 def stream_can_pay(problem, p, b, fit: int, depth: int) -> bool:

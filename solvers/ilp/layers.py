@@ -53,6 +53,7 @@ from hetplan.graph import PHASES
 from hetplan.plan import Decision
 from hetplan.problem import Problem
 from hetplan.solvers.ilp.constraints import add_bus_bounds
+from hetplan.solvers.ilp.experts import split_bus_bytes
 from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, bus_bytes, copy_s, duration_ms, highs_solver,
                                            run_highs)
 
@@ -157,8 +158,8 @@ class _Prices:
 
     def bus_bytes(self, p, blocks, opts, copies: bool = True) -> dict:
         """bus -> bytes ``blocks`` in options ``opts`` move over it in phase p
-        (``objective.bus_bytes``; a resident MoE block's expert split by its tasks' bytes:
-        router, hot experts and merge on HBM, cold experts on DRAM, their rows copied both ways);
+        (``objective.bus_bytes``; a resident MoE block's expert split by its tasks' bytes,
+        ``experts.split_bus_bytes``);
         ``copies`` False leaves out the block's own weight load and prompt-KV copies, which run
         before and after its stages."""
         key = (p, tuple(b.name for b in blocks), tuple(opts), copies)
@@ -171,11 +172,7 @@ class _Prices:
         total = {"dram": 0.0, "hbm": 0.0}
         for b, o in zip(blocks, opts):
             if o.hot is not None:
-                x = self.problem.experts[p][b.name]
-                part = {"hbm": x.route_work()[1] + x.hot_work(o.hot)[1], "dram": 0.0}
-                if o.hot < x.n_experts:
-                    rows = x.down_bytes(o.hot) + x.up_bytes(o.hot)
-                    part = {"hbm": part["hbm"] + x.merge_bytes(o.hot) + rows, "dram": x.cold_work(o.hot)[1] + rows}
+                part = split_bus_bytes(self.problem.experts[p][b.name], o.hot)
             else:
                 load = b.weight_bytes * o.s[PHASES.index(p)] if copies else 0.0
                 kv = wl.batch * wl.prompt_len * b.kv_bytes_per_token \

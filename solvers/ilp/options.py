@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.graph import PHASES
-from hetplan.solvers.ilp.experts import stream_can_pay
+from hetplan.solvers.ilp.experts import split_bus_bytes, stream_can_pay
 from hetplan.solvers.ilp.objective import MS, block_costs, bus_bytes, duration_ms
 
 MODE_INDEX = {"G": 0, "S": 1, "C": 2}
@@ -115,8 +115,9 @@ def _options(problem, b, slot_bytes, stream_cold, depth, has_core) -> list:
     return out
 
 
-def block_table(problem, b, slot_bytes, stream_cold, depth, has_core, costs) -> BlockTable:
-    """The option table of block b; ``costs``: phase -> ``objective.block_costs``."""
+def block_table(problem, b, slot_bytes, stream_cold, depth, has_core, costs, split_memo=None) -> BlockTable:
+    """The option table of block b; ``costs``: phase -> ``objective.block_costs``; ``split_memo``:
+    a dict keeping each MoE block's split bytes per phase across its tables."""
     opts = _options(problem, b, slot_bytes, stream_cold, depth, has_core)
     moe = b.name in problem.experts.get("decode", {})
     r = np.array([o.r for o in opts])
@@ -126,7 +127,8 @@ def block_table(problem, b, slot_bytes, stream_cold, depth, has_core, costs) -> 
         c, s = costs[p][b.name], s_[p]
         mode[p] = np.where(r == 1, 0, np.where(s == 1, 1, 2)).astype(np.int8)
         if moe:
-            dur[p], load[p], moved[p] = _moe_costs(problem, p, b.name, c, opts, r, s, i)
+            dur[p], load[p], moved[p] = _moe_costs(problem, p, b.name, c, opts, r, s, i,
+                                                   {} if split_memo is None else split_memo)
         else:
             d, mv = [], {"dram": [], "hbm": []}
             for o in opts:
@@ -150,11 +152,12 @@ def block_table(problem, b, slot_bytes, stream_cold, depth, has_core, costs) -> 
     return BlockTable(b.name, tuple(opts), mode, dur, load, loaded, moved, gpu.astype(float), cand, up, down)
 
 
-def _moe_costs(problem, p, name, c, opts, r, s, i) -> tuple:
+def _moe_costs(problem, p, name, c, opts, r, s, i, split_memo) -> tuple:
     """(D, t_load, bus bytes) over the options of MoE block ``name`` in phase p: resident, the
     split's expected time at its hot count (every expert on the GPU when its cold ones are
     streamed, their load then its h2d time); else the whole block on the GPU (streamed) or the
-    CPU. Its bus bytes leave the resident split out, as the MILP's rows do."""
+    CPU. Its bus bytes: the whole block's stage on its device, or the split's tasks at its hot
+    count (``experts.split_bus_bytes``; all E on the GPU when its cold experts are streamed)."""
     x = problem.experts[p][name]
     e = x.n_experts
     split = MS * np.asarray(x.split_times, dtype=float)
@@ -165,7 +168,12 @@ def _moe_costs(problem, p, name, c, opts, r, s, i) -> tuple:
     dur = np.where(r == 1, split[np.where(v == 1, e, n)], whole)
     load = np.where(r == 1, np.where(v == 1, cold_load[n], 0.0), MS * problem.load_s[name] * s)
     nbytes = c[0].stage.work.bytes
-    return dur, load, {"dram": nbytes * (1 - r - s), "hbm": nbytes * s * 1.0}
+    if (p, name) not in split_memo:
+        split_memo[p, name] = [split_bus_bytes(x, k) for k in range(e + 1)]
+    split_bytes = split_memo[p, name]
+    whole_bytes = {"dram": nbytes * (1 - s), "hbm": nbytes * s * 1.0}
+    return dur, load, {bus: np.where(r == 1, [split_bytes[k][bus] for k in np.where(v == 1, e, n)], whole_bytes[bus])
+                       for bus in whole_bytes}
 
 
 def tables(problem, slot_bytes, stream_cold: bool, depth: int, cache: dict | None = None) -> list:
@@ -183,6 +191,7 @@ def tables(problem, slot_bytes, stream_cold: bool, depth: int, cache: dict | Non
             if b.name in problem.experts.get("decode", {}) else None
         key = (b.name, streams, None if colds is None else tuple(colds.items()))
         if key not in cache:
-            cache[key] = block_table(problem, b, slot_bytes, stream_cold, depth, cache["core"], cache["costs"])
+            cache[key] = block_table(problem, b, slot_bytes, stream_cold, depth, cache["core"], cache["costs"],
+                                     cache.setdefault("split_bytes", {}))
         out.append(cache[key])
     return out

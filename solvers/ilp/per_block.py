@@ -213,14 +213,15 @@ class _Model:
     def _bus_bytes(self, p, costs) -> dict:
         """block -> bus -> bytes its stages move over the bus in phase p (its weight load and
         the prompt's KV copies aside), affine in the placement (``objective.bus_bytes``; a
-        resident MoE block's expert split is left out, so these bound the traffic from below)."""
+        resident MoE block's expert split by its tasks' bytes, ``ExpertVars.bus_bytes``)."""
         pr = self.problem
         out = {}
         for b in pr.blocks:
             n, s = b.name, self.s.get((b.name, p), 0)
             if n in self.xv.layers:
                 nbytes = costs[n][0].stage.work.bytes
-                part = {"dram": nbytes * (1 - self.r[n] - s), "hbm": nbytes * s}
+                split = self.xv.bus_bytes(p, n)
+                part = {"dram": nbytes * (1 - self.r[n] - s) + split["dram"], "hbm": nbytes * s + split["hbm"]}
             else:
                 part = bus_bytes(costs[n], self.r[n] + s, self.k.get(n, 0))
             out[n] = part

@@ -1,6 +1,11 @@
 """The runtime holds one copy of the weights: an all-CPU run from a safetensors checkpoint grows
 the process by at most 1.15x (weights + KV cache + workspace), measured by the kernel (VmHWM of
-a fresh process) against sizes derived here from the model's shapes."""
+a fresh process) against sizes derived here from the model's shapes. With quantised weights the
+fp32 checkpoint is quantised at load time, tensor by tensor and rows at a time, its pages let
+go as they are read: the bound is then the packed bytes (``tests.exec.quant_spec``'s sizes from
+the format definitions, the embedding table in fp16) + KV + workspace, beyond what a run of a
+model with almost no weights grows by (libraries, thread pools, allocator arenas: a constant
+that is a few percent of a real model's bytes but a third of this test model's)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from safetensors.torch import save_file
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.runtime.backend import backend_for
 from hetplan.runtime.weights import random_state_dict
+from tests.exec import quant_spec
 
 CPU_NODE = """
 name: cpu-only
@@ -57,6 +63,15 @@ def weight_bytes() -> int:
     return 4 * (2 * V * D + L * per_layer + D)
 
 
+def packed_weight_bytes(fmt: str) -> int:
+    """The same model with its linears (head included) packed in ``fmt``, each padded to 16
+    bytes, the embedding table in fp16, norms fp32."""
+    def linear(rows, cols):
+        return -(-quant_spec.nbytes(fmt, rows, cols) // 16) * 16
+    per_layer = (2 * linear(D, D) + 2 * linear(KVH * HD, D) + 2 * linear(I, D) + linear(D, I) + 4 * 2 * D)
+    return 2 * V * D + linear(V, D) + L * per_layer + 4 * D
+
+
 def kv_bytes() -> int:
     """k and v, fp32, for every layer and every position of the context."""
     return 4 * 2 * L * BATCH * (PROMPT + GEN) * KVH * HD
@@ -69,32 +84,60 @@ def workspace_bytes() -> int:
     return 4 * BATCH * (PROMPT * (6 * D + 3 * I + H * PROMPT) + V)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rss")
-    cfg = transformers.LlamaConfig(hidden_size=D, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
-                                   num_key_value_heads=KVH, vocab_size=V, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
+def save_model(root: Path, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int) -> dict:
+    """A random fp32 Llama checkpoint in ``root`` and its all-CPU plans per weight dtype."""
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
     cfg.save_pretrained(root)
     (root / "node.yaml").write_text(CPU_NODE)
-    plan = compile_plan(CompileRequest(model=str(root), hw=str(root / "node.yaml"), strategy="ilp",
-                                       weight_dtype="fp32", prompt_len=PROMPT, gen_len=GEN))[0]
+    for fmt in ("fp32", "q8_0", "q4_0"):
+        plan = compile_plan(CompileRequest(model=str(root), hw=str(root / "node.yaml"), strategy="ilp",
+                                           weight_dtype=fmt, prompt_len=PROMPT, gen_len=GEN))[0]
+        (root / f"plan-{fmt}.json").write_text(plan.to_json())
     backend = backend_for(plan.model)
     blocks = [(p["block"], p["kind"], p["layer"]) for p in plan.placement]
     state = random_state_dict(backend, blocks, torch.float32, seed=3)
-    assert sum(t.numel() * 4 for t in state.values()) == weight_bytes()
     save_file({k: v.contiguous() for k, v in state.items()}, str(root / "model.safetensors"))
-    (root / "plan.json").write_text(plan.to_json())
+    return state
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rss")
+    state = save_model(root, D, I, L, H, KVH, V)
+    assert sum(t.numel() * 4 for t in state.values()) == weight_bytes()
     return root
 
 
-def test_all_cpu_run_holds_one_copy_of_the_weights(checkpoint):
-    out = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint / "plan.json"), str(checkpoint),
+@pytest.fixture(scope="module")
+def fixed_growth(tmp_path_factory):
+    """What a run grows by whatever its model (the kernels' library, thread pools, allocator
+    arenas): the same probe on a model of about 40 KiB of weights."""
+    root = tmp_path_factory.mktemp("rss-empty")
+    save_model(root, 32, 64, 1, 2, 1, 64)
+    return {fmt: peak_growth(root, fmt) for fmt in ("q8_0", "q4_0")}
+
+
+def peak_growth(checkpoint, fmt: str) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint / f"plan-{fmt}.json"), str(checkpoint),
                           str(PROMPT), str(GEN)], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     rss = json.loads(out.stdout.strip().splitlines()[-1])
-    grown = rss["hwm"] - rss["before"]
+    return rss["hwm"] - rss["before"]
+
+
+def test_all_cpu_run_holds_one_copy_of_the_weights(checkpoint):
+    grown = peak_growth(checkpoint, "fp32")
     bound = 1.15 * (weight_bytes() + kv_bytes() + workspace_bytes())
     # two copies (placed + mapped) would be about 2x the weights
+    assert grown <= bound, f"peak RSS grew {grown / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantised_all_cpu_run_holds_the_packed_bytes_not_the_checkpoint(checkpoint, fixed_growth, fmt):
+    grown = peak_growth(checkpoint, fmt) - fixed_growth[fmt]
+    bound = 1.15 * (packed_weight_bytes(fmt) + kv_bytes() + workspace_bytes())
+    # the fp32 checkpoint resident while quantising would add weight_bytes() (about 3.8x q8_0's)
     assert grown <= bound, f"peak RSS grew {grown / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"

@@ -79,8 +79,12 @@ def files(tmp_path_factory):
 
 
 def dense_place(b):
-    """Layers 0-3 whole in DRAM, layer 10's MLP too, the head too; KV on the GPU."""
-    cpu = b.kind == "head" or (b.layer is not None and (b.layer < 4 or (b.layer == 10 and b.kind == "mlp")))
+    """Layers 0-3 whole in DRAM (copied up for the prompt), layer 10's MLP too; the head in DRAM,
+    computed on the CPU (one sequence: llama.cpp multiplies its last position only, below op
+    offload's batch); KV on the GPU."""
+    if b.kind == "head":
+        return "cpu", "gpu", None
+    cpu = b.layer is not None and (b.layer < 4 or (b.layer == 10 and b.kind == "mlp"))
     return ("stream" if cpu else "gpu"), "gpu", None
 
 

@@ -153,3 +153,55 @@ def test_the_compile_time_counts_the_chain_dp(monkeypatch, tmp_path):
                                              routing=str(path)))
     assert plan.solver.get("formulation") == "chain-dp"
     assert built and took.solve_s >= 0.1 * len(built) and took.wall_s >= took.solve_s
+
+
+# -- the fallback when the forward DP's fronts outgrow their limit --------------------------------
+
+def _chains(pr):
+    from hetplan.solvers.ilp.chain import Chain
+    from hetplan.solvers.ilp.objective import Weights
+    from hetplan.solvers.ilp.per_block import configurations, slowest_stage_s
+
+    weights = Weights(pr, slowest_stage_s(pr))
+    return [Chain(pr, d, w, False, weights.w) for d, w in configurations(pr, (2, 1), True) if w], weights
+
+
+@pytest.mark.parametrize("share", list(SHARES))
+def test_plans_on_the_hbm_grid_fit_and_cost_what_their_timeline_says(share):
+    """Every plan ``chain_cells`` hands out meets the GPU row with its true bytes, and its cost
+    is the weighted phase makespans of its chain (``chain_plan.phase_ms``, the pair recursion
+    evaluated block by block)."""
+    from hetplan.solvers.ilp.chain_cells import cell_plans
+    from hetplan.solvers.ilp.chain_plan import phase_ms
+
+    pr = problem("latency", SHARES[share])
+    chains, weights = _chains(pr)
+    seen = 0
+    for ch in chains:
+        mults, _, dual = ch.lagrangian()
+        for path, cost in cell_plans(ch, mults[0][0] if mults else 0.0):
+            seen += 1
+            assert ch.fits(sum(y[j] for y, j in zip(ch.y, path)))
+            assert cost >= dual * (1 - 1e-9)
+            t = phase_ms(ch, path)
+            assert cost <= weights.weighted_ms(t) * (1 + 1e-9)  # phase_ms adds the rows the chain leaves out
+    assert seen
+
+
+@pytest.mark.parametrize("workload", ["latency", "throughput"])
+@pytest.mark.parametrize("share", list(SHARES))
+def test_a_state_limit_leaves_an_honest_plan(workload, share, monkeypatch):
+    """With room for almost no states the search falls back to the grid's plans: what it
+    reports is a plan no better than the optimum (the per-block MILP at a 1e-9 gap), a bound no
+    higher, and "optimal" only within the gap tolerance."""
+    from hetplan.solvers.ilp import per_block
+
+    pr = problem(workload, SHARES[share])
+    milp = solve(pr, IlpOptions(**MILP))
+    for states in (5, 50):
+        monkeypatch.setattr(per_block, "STATES_PER_NODE", states)
+        dp = solve(pr, IlpOptions(max_nodes=1, **EXACT))
+        assert dp.objective_s >= milp.objective_s * (1 - 1e-7)
+        assert dp.bound_s <= milp.objective_s * (1 + 1e-7)
+        if dp.status == "optimal":
+            assert dp.objective_s == pytest.approx(milp.objective_s, rel=1e-7)

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
+HEADERS = (Path(__file__).with_name("qint8.h"),)
+"""Files ``SOURCE`` includes: part of the build key, copied beside it."""
 NAME = "hetplan_qmatmul"
 BUILD_SCHEME = b"source copied into the build directory"
 """Part of the build directory's key: builds made another way are not reused."""
@@ -39,7 +41,7 @@ def cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags().encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in (SOURCE, *HEADERS)) + torch.__version__.encode() + cpu_flags().encode()
                          + BUILD_SCHEME).hexdigest()[:16]
     root = Path(os.environ.get("HETPLAN_CACHE", Path.home() / ".cache" / "hetplan"))
     return root / "kernels" / key
@@ -61,17 +63,23 @@ def module():
     from torch.utils import cpp_extension
     where.mkdir(parents=True, exist_ok=True)
     try:
+        for original in (*HEADERS, SOURCE):
+            _copy(original, where / original.name)
         source = where / SOURCE.name
-        if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
-            tmp = where / f".{SOURCE.name}.{os.getpid()}"
-            tmp.write_bytes(SOURCE.read_bytes())
-            os.replace(tmp, source)
         mod = cpp_extension.load(name=NAME, sources=[str(source)], build_directory=str(where),
                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"], verbose=False)
         _state.update(module=mod, why=None)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs instead
         _state.update(module=None, why=f"the native kernel did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     return _state["module"]
+
+
+def _copy(original: Path, copy: Path) -> None:
+    """``original`` to ``copy`` (atomically: a concurrent build never reads half a file)."""
+    if not copy.is_file() or copy.read_bytes() != original.read_bytes():
+        tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
+        tmp.write_bytes(original.read_bytes())
+        os.replace(tmp, copy)
 
 
 def _import(path: Path):

@@ -11,8 +11,11 @@
 //   bf16/fp16: w = float(W[n, k])
 // Small M (decode): each thread takes a range of rows n; per block the 32 weights are
 // dequantised into registers and multiplied with every row of x (fp32 accumulation), so the
-// weight bytes are read once per call. Large M (prefill): a tile of rows is dequantised into an
-// fp32 scratch that stays in cache and multiplied by at::mm.
+// weight bytes are read once per call. Large M (prefill), on a CPU with AVX-512 VNNI, for the
+// quantised formats: x is quantised per block of 32 as q8_0 is (dx = max|x_b| / 127,
+// qx = round(x / dx)) and each block's dot product is taken in int8 (qint8.h); elsewhere (and
+// where the caller asks for it, int8 = false) a tile of rows is dequantised into an fp32
+// scratch that stays in cache and multiplied by at::mm.
 // Plain C++ written for the compiler's vectoriser (built with -O3 and the host's -march); it
 // runs correctly on any x86-64 or ARM CPU the compiler targets.
 #include <torch/extension.h>
@@ -200,6 +203,8 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
 }
 #endif
 
+#include "qint8.h"
+
 // Rows [n0, n1) of y for M rows of x (padded to Kp): FMT and M known at compile time, so the
 // block's 32 weights and the M accumulators stay in vector registers (AVX-512 intrinsics where
 // the compiler targets them; the portable loop otherwise, and for a row's partial last block).
@@ -323,8 +328,18 @@ void dequantise(int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, int64_
   });
 }
 
-// x [M, K] fp32 -> y [M, N] fp32 with W (format fmt, arrays parts, N rows of K values).
-torch::Tensor matmul(torch::Tensor x, int64_t fmt, int64_t K, std::vector<torch::Tensor> parts) {
+bool has_int8() {
+#ifdef HETPLAN_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] fp32 -> y [M, N] fp32 with W (format fmt, arrays parts, N rows of K values); for
+// M > SMALL_M and a quantised format, int8 = true multiplies in int8 where has_int8() (x
+// quantised per block of 32), and the fp32 tile path runs otherwise.
+torch::Tensor matmul(torch::Tensor x, int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, bool int8) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat32,
               "qmatmul: x must be a CPU fp32 [M, K] tensor, K = ", K);
   const Rows r = rows_of(fmt, K, parts);
@@ -337,6 +352,13 @@ torch::Tensor matmul(torch::Tensor x, int64_t fmt, int64_t K, std::vector<torch:
     direct(r, xp.data_ptr<float>(), M, N, Kp, y.data_ptr<float>(), N);
     return y;
   }
+#ifdef HETPLAN_VNNI
+  if (int8 && fmt <= Q4_K_M) {
+    torch::Tensor xc = x.contiguous();
+    int8_matmul(r, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+    return y;
+  }
+#endif
   // a tile of about 1 MiB of fp32 weights, in cache while at::mm reads it
   const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / Kp / 16 * 16));
   auto scratch = torch::empty({tile, K}, x.options());
@@ -350,6 +372,7 @@ torch::Tensor matmul(torch::Tensor x, int64_t fmt, int64_t K, std::vector<torch:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "y = x @ W^T, W packed (format id, K, row arrays)");
+  m.def("matmul", &matmul, "y = x @ W^T, W packed (format id, K, row arrays, int8 prefill)");
+  m.def("has_int8", &has_int8, "whether prefill can multiply in int8 (AVX-512 VNNI)");
   m.def("dequantise", &dequantise, "rows [n0, n1) of a packed W into an fp32 tensor");
 }

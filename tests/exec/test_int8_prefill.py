@@ -1,0 +1,129 @@
+"""Prefill on packed weights multiplied in int8 (the native kernel on a CPU with AVX-512 VNNI).
+
+The oracle is x @ decode(bytes)^T in float64, the weights decoded by ``tests.exec.quant_spec``
+from the format definitions. Quantising x per block of 32 as q8_0 does (dx = max|x_b| / 127,
+qx = round(x / dx)) moves x by at most dx / 2 per value, so each output may move by
+sum over blocks b of (max|x_b| / 254) * sum_{k in b} |w_k| (derived here, not taken from the
+kernel), plus fp32 accumulation (1e-5 of sum |x||w|). Where x is already exact in that grid
+(integers in a block whose largest magnitude is 127, times a power of two) nothing may move but
+fp32 accumulation. With ``HETPLAN_INT8_PREFILL=0`` (as on a CPU without VNNI) the fp32 tile path
+runs and meets the fp32 bound alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hetplan.runtime.kernels import linear as klinear
+from hetplan.runtime.kernels import native, quant
+from hetplan.runtime.kernels.linear import PackedLinear, linear
+from tests.exec import quant_spec
+from tests.exec.test_quant_kernels import FORMATS, packed, weights
+
+SHAPES = [(7, 33), (40, 100), (33, 300), (64, 512), (5, 17), (19, 520)]
+
+
+@pytest.fixture
+def int8(monkeypatch):
+    mod = native.module()
+    if mod is None or not mod.has_int8():
+        pytest.skip("no int8 prefill kernel here (needs the native kernel built with AVX-512 VNNI)")
+    monkeypatch.delenv("HETPLAN_INT8_PREFILL", raising=False)
+    assert klinear.int8_prefill()
+
+
+def decoded(fmt: str, w: torch.Tensor) -> np.ndarray:
+    return quant_spec.decode(fmt, quant.quantise(fmt, w).numpy(), *w.shape)
+
+
+def fp32_bound(x: np.ndarray, wd: np.ndarray) -> np.ndarray:
+    return 1e-5 * (np.abs(x) @ np.abs(wd).T) + 1e-6
+
+
+def rounding_bound(x: np.ndarray, wd: np.ndarray) -> np.ndarray:
+    """sum_b (max|x_b| / 254) * sum_{k in b} |w_k|, [M, N]."""
+    k = x.shape[1]
+    nb = -(-k // 32)
+    xb = np.pad(np.abs(x), ((0, 0), (0, 32 * nb - k))).reshape(len(x), nb, 32).max(-1) / 254
+    wb = np.pad(np.abs(wd), ((0, 0), (0, 32 * nb - k))).reshape(len(wd), nb, 32).sum(-1)
+    return xb @ wb.T
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", [9, 12, 40])
+def test_int8_prefill_within_the_activation_rounding_bound(int8, fmt, shape, m):
+    w = weights(shape, 7)
+    x = torch.randn(m, shape[1]) * torch.rand(1, shape[1]) * 3           # blocks of different scales
+    xd, wd = x.double().numpy(), decoded(fmt, w)
+    err = np.abs(linear(x, packed(fmt, w)).double().numpy() - xd @ wd.T)
+    assert (err <= rounding_bound(xd, wd) + fp32_bound(xd, wd)).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(40, 100), (19, 520), (5, 17)])
+def test_int8_prefill_is_exact_where_x_is_on_its_grid(int8, fmt, shape):
+    """x = 2^e * integers, each block's largest magnitude 127: dx = 2^e, qx = the integers."""
+    m, k = 13, shape[1]
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(-127, 128, (m, k), generator=g).double()
+    q[:, ::32] = 127.0                                                   # every block reaches 127
+    x = (q * 2.0 ** torch.randint(-6, 3, (m, 1), generator=g)).float()
+    w = weights(shape, 9)
+    xd, wd = x.double().numpy(), decoded(fmt, w)
+    err = np.abs(linear(x, packed(fmt, w)).double().numpy() - xd @ wd.T)
+    assert (err <= fp32_bound(xd, wd)).all()
+
+
+def test_int8_prefill_is_the_path_that_runs(int8):
+    """Its result differs from the fp32 tile path's by activation rounding: the int8 kernel ran."""
+    w, x = weights((64, 512), 10), torch.randn(16, 512)
+    got = linear(x, packed("q8_0", w)).double().numpy()
+    ref = x.double().numpy() @ decoded("q8_0", w).T
+    assert np.abs(got - ref).max() > 10 * fp32_bound(x.double().numpy(), decoded("q8_0", w)).max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_without_int8_prefill_the_fp32_tiles_run(monkeypatch, fmt):
+    if native.module() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable()}")
+    monkeypatch.setenv("HETPLAN_INT8_PREFILL", "0")
+    assert not klinear.int8_prefill()
+    w, x = weights((40, 100), 11), torch.randn(12, 100)
+    xd, wd = x.double().numpy(), decoded(fmt, w)
+    err = np.abs(linear(x, packed(fmt, w)).double().numpy() - xd @ wd.T)
+    assert (err <= fp32_bound(xd, wd)).all()
+
+
+def test_int8_prefill_of_fused_linears(int8):
+    a, b = weights((24, 96), 12), weights((40, 96), 13)
+    x = torch.randn(2, 7, 96)
+    got = linear(x, PackedLinear.cat([packed("q4_0", a), packed("q4_0", b)])).view(14, 64).double().numpy()
+    xd, wd = x.view(14, 96).double().numpy(), np.concatenate([decoded("q4_0", a), decoded("q4_0", b)])
+    assert (np.abs(got - xd @ wd.T) <= rounding_bound(xd, wd) + fp32_bound(xd, wd)).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_prefill_logits_within_activation_rounding_of_transformers(int8, tmp_path, fmt):
+    """A 16-token prompt (prefill M = 16: the int8 path) against transformers on the weights the
+    packed bytes hold. Rounding x per block as q8_0 rounds weights moves the logits by about as
+    much as q8_0 weights do: within ``test_quant``'s q8_0 bound of the logits' norm."""
+    from hetplan.compiler import CompileRequest, compile_plan
+    from hetplan.runtime.session import RunOptions, run_plan
+    from tests.exec.test_numerics import GPU_NODE, save_tiny_model
+    from tests.exec.test_quant import QUANTISATION_ERROR, dequantised_model
+    model = save_tiny_model("llama", tmp_path / "llama")
+    (tmp_path / "gpu.yaml").write_text(GPU_NODE)
+    prompt = (tuple(range(3, 19)),)
+    plan = compile_plan(CompileRequest(model=str(tmp_path / "llama"), hw=str(tmp_path / "gpu.yaml"),
+                                       strategy="all-gpu", weight_dtype=fmt, kv_dtype="fp32",
+                                       prompt_len=16, gen_len=1))[0]
+    result = run_plan(plan, RunOptions(weights=str(tmp_path / "llama"), prompt_ids=prompt, gen_len=1,
+                                       keep_logits=True, emulate=True))
+    with torch.no_grad():
+        ref = dequantised_model(model, plan.model, fmt)(torch.tensor(prompt)).logits[:, -1]
+    got = result.logits[0]
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < QUANTISATION_ERROR["q8_0"]
