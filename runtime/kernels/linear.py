@@ -123,9 +123,9 @@ def _tiled(x: torch.Tensor, fmt: str, cols: int, seg: tuple) -> torch.Tensor:
 def int8_prefill() -> bool:
     """Whether the native kernel multiplies prefill-sized x in int8: it was built with AVX-512
     VNNI (``has_int8``) and ``HETPLAN_INT8_PREFILL`` is not ``0`` (which runs the fp32 tiles)."""
-    import os
+    from hetplan.env import switch
     mod = native.module()
-    return mod is not None and mod.has_int8() and os.environ.get("HETPLAN_INT8_PREFILL") != "0"
+    return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_PREFILL", True)
 
 
 _CPU_16BIT: dict = {}
