@@ -265,19 +265,7 @@ def stream(problem: Problem) -> Decision:
         return all_cpu(problem)
     weights = {b.name: "stream" if b.streamable else "cpu" for b in problem.blocks}
     kv = _kv_beside_staging(problem, weights)
-    dec = _decision(problem, weights, kv, depth=2)
-    if "cpu" not in kv.values():
-        return dec
-    return dataclasses.replace(dec, cpu_attention_bytes_per_cache_byte=flexgen_attention_bytes_per_cache_byte(
-        problem.model))
-
-
-def flexgen_attention_bytes_per_cache_byte(spec) -> float:
-    """(c + 16) / c, c = the cache's bytes per element: FlexGen's CPU decode attention reads the
-    cache (c), writes it into an fp32 workspace (4), reads that (4) into contiguous permuted K
-    and V (4), which ``bmm`` reads (4)."""
-    c = spec.kv_bytes_per_token() / spec.kv_elems_per_token()
-    return (c + 16.0) / c
+    return _decision(problem, weights, kv, depth=2)
 
 
 def flexgen(problem: Problem, gpu_percent: int | None = None) -> Decision:
