@@ -78,7 +78,8 @@ def copied_cache_attention(problem: Problem, dec: Decision, work):
     """(work, seconds, cost source) of a decode ``attn_core`` on the CPU whose cache is copied
     before it is read: its bytes (``cost.attention_decode_work``: all of them the KV read) times
     ``dec.cpu_attention_bytes_per_cache_byte``, its time the CPU roofline of those bytes, as for
-    any CPU task (analytic: a measured per-op table times the in-place read)."""
+    any CPU task (analytic even where a profile measured the in-place read: the table holds no
+    copying attention)."""
     w = dataclasses.replace(work, bytes=work.bytes * dec.cpu_attention_bytes_per_cache_byte)
     return w, cost.cpu_seconds(w, problem.model, problem.hw), "analytic"
 
@@ -125,7 +126,8 @@ def build_phase(problem: Problem, dec: Decision, phase: str, shared_buses: bool 
             prev_id, prev_dev = tasks[-1].id, "gpu"
             continue
         secs, source = (sc.gpu_s if dev == "gpu" else sc.cpu_s), sc.source(dev)
-        if dev == "cpu" and st.follows == "kv" and dec.cpu_attention_bytes_per_cache_byte != 1.0:
+        copies = dec.cpu_attention_bytes_per_cache_byte != 1.0
+        if copies and dev == "cpu" and st.kind == "attn_core" and st.follows == "kv":
             w, secs, source = copied_cache_attention(problem, dec, w)
         t = Task(id=st.id, resource=dev, block=st.block, kind=st.kind,
                  duration_s=secs, bytes=w.bytes, flops=w.flops,

@@ -82,7 +82,7 @@ def test_the_factor_round_trips_through_plan_json_and_the_strict_schema():
     back = Plan.from_json(plan.to_json())
     assert back.decision().cpu_attention_bytes_per_cache_byte == 9.0
     assert [t.bytes for t in cpu_cores(build_schedule(p, back.decision()))] == pytest.approx([FLEXGEN_BYTES] * 4)
-    for bad in (0.5, 65.0, "nine"):
+    for bad in (0.5, 65.0, "nine", None):
         with pytest.raises(HetplanError, match="cpu_attention_bytes_per_cache_byte"):
             Plan.from_dict({**d, "cpu_attention_bytes_per_cache_byte": bad}, verify=False)
 
