@@ -87,6 +87,13 @@ def test_the_factor_round_trips_through_plan_json_and_the_strict_schema():
             Plan.from_dict({**d, "cpu_attention_bytes_per_cache_byte": bad}, verify=False)
 
 
+def test_show_says_the_plan_prices_a_copying_cpu_attention():
+    from hetplan.plan.report import render_show
+    p = kv_in_dram()
+    assert "cpu attention: moves 9 bytes per byte of KV cache" in render_show(plan_of(p, baselines.flexgen(p, 0)))
+    assert "cpu attention:" not in render_show(plan_of(p, baselines.ngl_nkvo(p)))
+
+
 def test_plans_that_read_the_cache_in_place_do_not_carry_the_key():
     p = kv_in_dram()
     for name, dec in (("ngl-nkvo", baselines.ngl_nkvo(p)), ("all-gpu", baselines.all_gpu(p)),
