@@ -122,7 +122,8 @@ def make_plan(problem: Problem, dec: Decision, solver: dict, inputs: dict | None
     solver = dict(solver, objective_s=objective_s(problem, pred))
     return Plan(model=problem.model, hardware=problem.hw, workload=problem.workload, solver=solver,
                 placement=tuple(placement), staging={"depth": dec.depth, "slot_bytes": slot},
-                memory=memory, predicted=pred, schedule=schedule, inputs=inputs or {})
+                memory=memory, predicted=pred, schedule=schedule, inputs=inputs or {},
+                cpu_attention_bytes_per_cache_byte=dec.cpu_attention_bytes_per_cache_byte)
 
 
 def fits(plan: Plan) -> bool:

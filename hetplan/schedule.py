@@ -28,6 +28,9 @@ so they never queue behind a prefetch of a whole block.
 
 from __future__ import annotations
 
+import dataclasses
+
+from hetplan import cost
 from hetplan.buses import capacities, fluid_times
 from hetplan.graph import PHASES
 from hetplan.plan import Decision, PhaseSchedule, Task
@@ -71,6 +74,16 @@ def _split_tasks(x, n: int, block: str, slot: int | None = None) -> tuple[list, 
     return [route, hot, down, cold, up, merge], edges
 
 
+def copied_cache_attention(problem: Problem, dec: Decision, work):
+    """(work, seconds, cost source) of a decode ``attn_core`` on the CPU whose cache is copied
+    before it is read: its bytes (``cost.attention_decode_work``: all of them the KV read) times
+    ``dec.cpu_attention_bytes_per_cache_byte``, its time the CPU roofline of those bytes, as for
+    any CPU task (analytic even where a profile measured the in-place read: the table holds no
+    copying attention)."""
+    w = dataclasses.replace(work, bytes=work.bytes * dec.cpu_attention_bytes_per_cache_byte)
+    return w, cost.cpu_seconds(w, problem.model, problem.hw), "analytic"
+
+
 def streamed_slots(problem: Problem, dec: Decision, phase: str) -> dict:
     """block -> staging slot, round-robin over the blocks streamed in ``phase``."""
     streamed = [b.name for b in problem.blocks if dec.exec[phase][b.name] == "stream"]
@@ -112,10 +125,14 @@ def build_phase(problem: Problem, dec: Decision, phase: str, shared_buses: bool 
             first_stage[st.block], last_stage[st.block] = tasks[0].id, tasks[-1].id
             prev_id, prev_dev = tasks[-1].id, "gpu"
             continue
+        secs, source = (sc.gpu_s if dev == "gpu" else sc.cpu_s), sc.source(dev)
+        copies = dec.cpu_attention_bytes_per_cache_byte != 1.0
+        if copies and dev == "cpu" and st.kind == "attn_core" and st.follows == "kv":
+            w, secs, source = copied_cache_attention(problem, dec, w)
         t = Task(id=st.id, resource=dev, block=st.block, kind=st.kind,
-                 duration_s=sc.gpu_s if dev == "gpu" else sc.cpu_s, bytes=w.bytes, flops=w.flops,
+                 duration_s=secs, bytes=w.bytes, flops=w.flops,
                  slot=slots.get(st.block) if dev == "gpu" and st.follows == "exec" else None,
-                 cost_source=sc.source(dev))
+                 cost_source=source)
         first_stage.setdefault(st.block, t.id)
         last_stage[st.block] = t.id
         if prev_id is not None:

@@ -9,6 +9,8 @@ is the all-CPU plan.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hetplan.errors import HetplanError
 from hetplan.graph import PHASES
 from hetplan.plan import Decision
@@ -294,18 +296,22 @@ def flexgen(problem: Problem, gpu_percent: int | None = None) -> Decision:
     two staging slots and the workspace, else in DRAM (C = 0). With the cache in DRAM, prefill
     computes attention on the GPU and copies the new K/V down (``store_cache``); decode
     computes attention on the CPU beside the cache (``cpu_cache_compute``: only q, k, v of the
-    new token and the attention output cross PCIe). ``gpu_percent=None`` takes the largest W
-    (in steps of 5) whose plan fits the GPU budget.
+    new token and the attention output cross PCIe). That CPU attention copies the cache before
+    it reads it (``load_cache`` path 1 copies the cache into an fp32 workspace: read c bytes,
+    write 4 per element; ``mha_gen`` then ``permute``s K and V and ``reshape``s them into
+    contiguous copies: read 4, write 4; ``bmm`` reads those: 4), so it moves c + 16 bytes per
+    element where hetplan's reads c in place: ``cpu_attention_bytes_per_cache_byte`` = (c + 16) / c
+    (``flexgen_attention_bytes_per_cache_byte``; 9 for an fp16 cache). ``gpu_percent=None`` takes
+    the largest W (in steps of 5) whose plan fits the GPU budget.
 
     Leaves out: the norms and biases (FlexGen places them by the same rule; a few KB); the
     zig-zag block schedule (a block of ``num_gpu_batches`` GPU batches shares one weight load,
     with a ``torch.cuda.synchronize`` after each layer and GPU batch, so a layer's weight load
     overlaps only the first GPU batch's compute: here the whole batch is one GPU batch and the
     load overlaps the whole layer); activations homed in DRAM (``--percent`` A = 0: each
-    layer's hidden states copied down and back up); the CPU attention's own data movement
-    (``load_cache`` copies the fp16 cache into an fp32 workspace and ``mha_gen`` permutes K and V
-    into contiguous copies before ``bmm``: about 9 bytes moved per byte of cache, where hetplan's
-    CPU attention reads the cache once); the disk tier; compression (``--compress-weight``)."""
+    layer's hidden states copied down and back up); the fp32 softmax and output of the CPU
+    attention (a few bytes per cached token and head, beside 9 per cache byte); the disk tier;
+    compression (``--compress-weight``)."""
     if not problem.has_gpu:
         return all_cpu(problem)
     if gpu_percent is None:
@@ -326,7 +332,19 @@ def flexgen(problem: Problem, gpu_percent: int | None = None) -> Decision:
         if resident + b.weight_bytes / 2 <= target:
             weights[b.name], resident = "gpu", resident + b.weight_bytes
     kv = _kv_beside_staging(problem, weights)
-    return _decision(problem, weights, kv, depth=2)
+    dec = _decision(problem, weights, kv, depth=2)
+    if "cpu" not in kv.values():
+        return dec
+    return dataclasses.replace(dec, cpu_attention_bytes_per_cache_byte=flexgen_attention_bytes_per_cache_byte(
+        problem.model))
+
+
+def flexgen_attention_bytes_per_cache_byte(spec) -> float:
+    """(c + 16) / c, c = the cache's bytes per element: FlexGen's CPU decode attention reads the
+    cache (c), writes it into an fp32 workspace (4), reads that (4) into contiguous permuted K
+    and V (4), which ``bmm`` reads (4)."""
+    c = spec.kv_bytes_per_token() / spec.kv_elems_per_token()
+    return (c + 16.0) / c
 
 
 def flexgen_gpu_fraction(shapes: list, gpu_percent: float) -> float:

@@ -198,7 +198,8 @@ def test_merging_two_predicted_traces_is_refused(split_plan):
 
 def test_compare_lists_chosen_plan_then_every_baseline_on_the_same_problem(split_plan):
     rows = compare(split_plan, CompileRequest(model="gpt2", hw="rtx4090-64g"))
-    assert [r.strategy.split(":")[0] for r in rows] == ["hand", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream"]
+    assert [r.strategy.split(":")[0] for r in rows] == ["hand", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream",
+                                                         "flexgen"]
     assert rows[0].chosen and not any(r.chosen for r in rows[1:])
     assert {r.plan.workload for r in rows} == {split_plan.workload}
     table = compare_table(compare_dicts(rows), split_plan.workload.objective)

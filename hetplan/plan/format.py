@@ -60,6 +60,11 @@ class Decision:
     experts: dict = field(default_factory=dict)
     """MoE block with weights ``gpu`` -> how many of its routed experts (the hottest) are
     resident in HBM; the others run on the CPU. Absent: all of them."""
+    cpu_attention_bytes_per_cache_byte: float = 1.0
+    """Bytes a decode ``attn_core`` task on the CPU moves over DRAM per byte of KV cache it
+    reads. 1 = the cache is read in place, as hetplan's runtime runs it and the MILP prices it; a
+    baseline that follows a tool whose CPU attention copies the cache first sets it (FlexGen:
+    ``solvers.baselines.flexgen``)."""
 
     def device(self, phase: str, block: str) -> str:
         return "cpu" if self.exec[phase][block] == "cpu" else "gpu"
@@ -120,6 +125,8 @@ class Plan:
     schedule: dict
     """phase -> PhaseSchedule."""
     inputs: dict = field(default_factory=dict)
+    cpu_attention_bytes_per_cache_byte: float = 1.0
+    """``Decision.cpu_attention_bytes_per_cache_byte``; in plan.json only when it is not 1."""
 
     def decision(self) -> Decision:
         return Decision(weights={p["block"]: p["weights"] for p in self.placement},
@@ -128,11 +135,12 @@ class Plan:
                         kv={p["block"]: p["kv"] for p in self.placement if p["kv"] is not None},
                         depth=self.staging["depth"],
                         experts={p["block"]: p["experts_on_gpu"] for p in self.placement
-                                 if p.get("experts_on_gpu") is not None and p["weights"] == "gpu"})
+                                 if p.get("experts_on_gpu") is not None and p["weights"] == "gpu"},
+                        cpu_attention_bytes_per_cache_byte=self.cpu_attention_bytes_per_cache_byte)
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        d = {
             "schema_version": SCHEMA_VERSION,
             "model": self.model.to_dict(),
             "hardware": self.hardware.to_dict(),
@@ -146,6 +154,9 @@ class Plan:
                          for ph, s in self.schedule.items()},
             "inputs": self.inputs,
         }
+        if self.cpu_attention_bytes_per_cache_byte != 1.0:
+            d["cpu_attention_bytes_per_cache_byte"] = self.cpu_attention_bytes_per_cache_byte
+        return d
 
     def to_json(self) -> str:
         d = rounded(self.to_dict())
@@ -174,7 +185,8 @@ class Plan:
             return cls(model=ModelSpec.from_dict(d["model"]), hardware=HardwareSpec.from_dict(d["hardware"]),
                        workload=Workload(**d["workload"]), solver=d["solver"],
                        placement=tuple(d["placement"]), staging=d["staging"], memory=d["memory"],
-                       predicted=d["predicted"], schedule=sched, inputs=d.get("inputs", {}))
+                       predicted=d["predicted"], schedule=sched, inputs=d.get("inputs", {}),
+                       cpu_attention_bytes_per_cache_byte=d.get("cpu_attention_bytes_per_cache_byte", 1.0))
         except HetplanError as e:
             raise HetplanError(f"{source}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:

@@ -173,7 +173,10 @@ def header_lines(plan: Plan) -> list:
             + f", generate {wl.gen_len}, objective {wl.objective}",
             solver_line(plan), staging] + (
         [f"note: only the first of the node's {len(hw.gpus)} GPUs ({hw.gpus[0].name}) is planned; the others stay idle"]
-        if len(hw.gpus) > 1 else [])
+        if len(hw.gpus) > 1 else []) + (
+        [f"cpu attention: moves {plan.cpu_attention_bytes_per_cache_byte:g} bytes per byte of KV cache it reads "
+         f"(the tool this plan follows copies the cache first)"]
+        if plan.cpu_attention_bytes_per_cache_byte != 1.0 else [])
 
 
 def render_show(plan: Plan) -> str:

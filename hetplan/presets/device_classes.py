@@ -29,7 +29,7 @@ CLASS_DEFAULTS: dict[str, dict[str, float]] = {
     "consumer": {"gpu_mem": 0.937, "gpu_flops": 0.84, "gpu_task": 2.13e-05},
     "datacenter": {"gpu_mem": 0.81, "gpu_flops": 0.392, "gpu_task": 3.75e-05},
     "desktop": {"cpu_mem": 0.667, "cpu_flops": 0.5, "cpu_task": 7.38e-05},
-    "server": {"cpu_mem": 0.522, "cpu_flops": 0.232, "cpu_task": 0.000237},
+    "server": {"cpu_mem": 0.574, "cpu_flops": 0.232, "cpu_task": 0.000287},
     "link": {"link": 0.525, "link_task": 0.00011},
 }
 """class -> constant -> value (efficiencies as fractions of the peak, latencies in seconds)."""

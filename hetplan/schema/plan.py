@@ -354,6 +354,8 @@ class PlanFile(Strict):
     predicted: Predicted = Field(description="what the plan should achieve")
     schedule: Schedule = Field(description="the timeline of each phase")
     inputs: Inputs = Field(default_factory=Inputs, description="what it was compiled from")
+    cpu_attention_bytes_per_cache_byte: quantity("bytes/byte", 64.0, 1.0) = Field(
+        1.0, description="DRAM bytes a CPU decode attention moves per KV byte read (written when not 1)")
 
     @model_validator(mode="after")
     def _blocks_agree(self):
