@@ -321,6 +321,8 @@ def _compile_chunk(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan
     chunked = f", prompt in chunks of {wl.chunk_len}" if wl.n_chunks > 1 else ""
     with progress.step(f"building the problem ({spec.n_layers} layers, batch {wl.batch}{chunked})"):
         problem = build_problem(spec, hw, wl, routing=routing)
+    if not fits_at_all(problem):  # the cheap bound first: no solver can place more than fits
+        raise InfeasibleError(diagnose(problem, strategy))
     with progress.step(f"solving with strategy {strategy} (Ctrl-C stops)"):
         dec, info, secs = decide(problem, strategy, arg, req)
     if dec is None:

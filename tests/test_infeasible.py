@@ -39,6 +39,20 @@ def test_model_too_big_for_gpu_and_cpu_together_states_missing_bytes_and_fixes()
     assert f"cpu.memory: {-(-int(need - have + 32 * GIB) // GIB)}GiB" in msg and "--cpu-mem" not in msg
 
 
+def test_a_model_larger_than_gpu_and_cpu_together_is_refused_before_any_solver_runs(monkeypatch):
+    # 70B in bf16 (131 GiB) on the laptop's 35.25 GiB: the memory bound alone decides it, so
+    # a search limit that stops every MILP before its first plan cannot turn it into "raise
+    # --max-nodes"
+    from hetplan.solvers import ilp
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("the MILP ran for a model that cannot fit")
+
+    monkeypatch.setattr(ilp, "solve", no_solve)
+    with pytest.raises(InfeasibleError, match=r"no placement fits: .* missing [\d.]+ GiB in total"):
+        compile_plan(CompileRequest(model="llama-3.1-70b", hw="laptop-8g", weight_dtype="bf16", max_nodes=1))
+
+
 def test_automatic_dtype_gives_up_with_the_same_diagnosis():
     with pytest.raises(InfeasibleError, match=r"no placement fits: .* missing [\d.]+ GiB in total"):
         compile_plan(CompileRequest(model="llama-3.1-70b", hw="laptop-8g"))
