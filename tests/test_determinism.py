@@ -69,7 +69,7 @@ def test_truncated_file_is_refused(tmp_path):
     path = tmp_path / "plan.json"
     text = plan_text("gpu-ilp")
     path.write_text(text[: len(text) // 2])
-    with pytest.raises(HetplanError, match=r"plan\.json:\d+:\d+: malformed JSON .* may be truncated"):
+    with pytest.raises(HetplanError, match=r"plan\.json:\d+:\d+: malformed JSON.* may be truncated"):
         load_plan(path)
 
 

@@ -99,7 +99,7 @@ def test_compare_lists_the_moe_baselines(files, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["compare"]
     names = [r["strategy"].split(":")[0] for r in rows[1:]]
-    assert names == ["all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "cpu-moe", "n-cpu-moe", "ktransformers"]
+    assert names == ["all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "flexgen", "cpu-moe", "n-cpu-moe", "ktransformers"]
     fitting = [r for r in rows[1:] if r["fits"]]
     assert all(rows[0]["ttft_s"] + 32 * rows[0]["tpot_s"] <= (r["ttft_s"] + 32 * r["tpot_s"]) * (1 + 1e-6)
                for r in fitting)
