@@ -16,7 +16,7 @@ SWITCHES = {
     "HETPLAN_TRACEBACK": "print the traceback of an internal error (default 0)",
     "HETPLAN_NATIVE_KERNELS": "use the native quantised kernels (default 1)",
     "HETPLAN_CPU_16BIT": "compute 16-bit weights on the CPU without upcasting (default 1)",
-    "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel (default 1)",
+    "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel (default 0: not yet faster than the fp32 tiles)",
 }
 PATHS = {"HETPLAN_CACHE": "the folder native kernels are built into (default ~/.cache/hetplan)"}
 

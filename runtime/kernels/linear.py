@@ -7,10 +7,10 @@ it runs:
 
 - a packed weight on the CPU: the native kernel (``native``), which reads the packed bytes:
   for up to 8 rows of x each block of 32 weights is dequantised in registers and multiplied
-  at once (decode reads each weight byte once per step); for more rows (prefill), on a CPU
-  with AVX-512 VNNI, x is quantised per block of 32 as q8_0 is and each block multiplied in
+  at once (decode reads each weight byte once per step); for more rows (prefill), with
+  ``HETPLAN_INT8_PREFILL=1`` on a CPU with AVX-512 VNNI, x is quantised per block of 32 as q8_0 is and each block multiplied in
   int8 (quantising x moves an output by at most sum over blocks b of
-  (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation), and elsewhere (or ``HETPLAN_INT8_PREFILL=0``)
+  (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation), and otherwise (the default)
   a tile of about 1 MiB of weights is dequantised into cache and multiplied by torch's GEMM.
 - a packed weight elsewhere (CUDA), or where the native kernel did not build: the same tiling
   in torch, a tile of ``TILE_ELEMS`` weights dequantised (``quant.dequantise_rows``) and
@@ -122,10 +122,12 @@ def _tiled(x: torch.Tensor, fmt: str, cols: int, seg: tuple) -> torch.Tensor:
 
 def int8_prefill() -> bool:
     """Whether the native kernel multiplies prefill-sized x in int8: it was built with AVX-512
-    VNNI (``has_int8``) and ``HETPLAN_INT8_PREFILL`` is not ``0`` (which runs the fp32 tiles)."""
+    VNNI (``has_int8``) and ``HETPLAN_INT8_PREFILL=1`` asks for it. Off by default: on an idle
+    2-core AVX-512 EPYC it ran at 0.62-0.86x the fp32 tiles at 512 rows (``bench/quant_kernels.py``,
+    bench/RESULTS.md), so it is not yet the faster path."""
     from hetplan.env import switch
     mod = native.module()
-    return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_PREFILL", True)
+    return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_PREFILL", False)
 
 
 _CPU_16BIT: dict = {}
