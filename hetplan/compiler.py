@@ -29,11 +29,19 @@ from hetplan.workload import Workload, chunk_candidates
 
 STRATEGIES = ("ilp", "all-gpu", "greedy", "ngl", "ngl-nkvo", "stream", "flexgen", "cpu-moe", "n-cpu-moe",
               "ktransformers")
-IMPORTED = ("from-llama.cpp", "from-accelerate", "from-vllm", "from-ktransformers")
-"""Strategies that re-read an engine's configuration (``from-llama.cpp:ARGS``; hetplan.solvers.imported)."""
+IMPORTED_FORMS = ("from-llama.cpp:ARGS", "from-accelerate:FILE|JSON", "from-vllm:ARGS", "from-ktransformers:FILE")
+"""Strategies that re-read an engine's configuration (hetplan.solvers.imported), as each is written."""
+IMPORTED = tuple(form.partition(":")[0] for form in IMPORTED_FORMS)
 COUNTED = ("ngl", "ngl-nkvo", "n-cpu-moe", "flexgen")
 """Strategies that take a number: a layer count (``ngl:N``, ``ngl-nkvo:N``, ``n-cpu-moe:N``) or
 FlexGen's GPU weight percent (``flexgen:W``)."""
+def _with_arg(name: str, open_: str, close: str) -> str:
+    """``name`` as written with its argument, when it takes one (``ngl[:N]``, ``flexgen:W``)."""
+    if name not in COUNTED:
+        return name
+    return f"{name}{open_}{'W' if name == 'flexgen' else 'N'}{close}"
+
+
 AUTO_DTYPES = ("q8_0", "q4_k_m")
 """Tried in order when ``--weight-dtype auto`` finds the native dtype does not fit."""
 
@@ -89,14 +97,12 @@ def parse_strategy(text: str) -> tuple[str, int | str | None]:
         return name, check_argument(name, arg)
     if name not in STRATEGIES:
         raise HetplanError(f"--strategy: unknown strategy {text!r}; choose one of "
-                           f"ilp, all-gpu, greedy, ngl[:N], ngl-nkvo[:N], stream, flexgen[:W], cpu-moe, n-cpu-moe[:N], "
-                           f"ktransformers, from-llama.cpp:ARGS, from-accelerate:FILE|JSON, from-vllm:ARGS, "
-                           f"from-ktransformers:FILE")
+                           f"{', '.join([_with_arg(s, '[:', ']') for s in STRATEGIES] + list(IMPORTED_FORMS))}")
     if colon and not arg:
         raise HetplanError(f"--strategy {text}: N is missing after ':'; give {name}:N or {name} alone")
     if arg and name not in COUNTED:
-        raise HetplanError(f"--strategy {text}: only ngl, ngl-nkvo, n-cpu-moe and flexgen take an argument "
-                           f"(ngl:N, ngl-nkvo:N, n-cpu-moe:N, flexgen:W)")
+        raise HetplanError(f"--strategy {text}: only {', '.join(COUNTED[:-1])} and {COUNTED[-1]} take an argument "
+                           f"({', '.join(_with_arg(s, ':', '') for s in COUNTED)})")
     if arg:
         if not arg.isdigit():
             what = "W (the GPU weight percent)" if name == "flexgen" else "N"
