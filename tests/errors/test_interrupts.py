@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start(code_or_argv, cwd: Path) -> subprocess.Popen:
     argv = [sys.executable, "-c", code_or_argv] if isinstance(code_or_argv, str) else code_or_argv
+    # SIGINT as a terminal delivers it: a shell that starts pytest in the background hands its
+    # children SIGINT ignored, and Python keeps an inherited SIG_IGN
     return subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(child: subprocess.Popen, text: str, limit_s: float = 120.0) -> list:

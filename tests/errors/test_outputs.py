@@ -50,11 +50,16 @@ def test_something_that_is_not_a_regular_file_is_never_replaced(tmp_path, kind):
 
 
 def test_ctrl_c_inside_an_interruptible_block_sets_the_flag_then_interrupts():
-    with pytest.raises(KeyboardInterrupt):
-        with progress.interruptible() as flag:
-            os.kill(os.getpid(), signal.SIGINT)
-            assert flag.requested
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # as a terminal starts Python (a shell that backgrounds pytest hands it SIGINT ignored)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with progress.interruptible() as flag:
+                os.kill(os.getpid(), signal.SIGINT)
+                assert flag.requested
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_exec_without_torch_names_both_install_lines(tmp_path, monkeypatch, capsys):
