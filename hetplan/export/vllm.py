@@ -7,6 +7,12 @@ What vLLM can say: how many bytes of the decoder layers, from the first, live in
 (read over PCIe by the GPU in both phases), or every K-th of N layers prefetched. It cannot
 compute on the CPU, keep KV caches of running sequences in host memory (its KV offloading is a
 prefix cache), place the embedding or the head off the GPU, or choose which layers UVA offloads.
+
+The option names, their defaults and limits (``--offload-num-in-group`` at most the group size,
+``--offload-prefetch-step`` at least 1) are those of vLLM's ``vllm/config/offload.py``
+(vllm-project/vllm at commit 2debd782f06a5731359728ed77cd6a7299ef4e49), as
+``hetplan.solvers.imported.vllm`` reads them back; a prefetch export needs a plan staged at
+least two deep, so its step ``depth - 1`` is never 0.
 """
 
 from __future__ import annotations

@@ -78,6 +78,11 @@ def test_an_engine_that_can_express_nothing_writes_nothing(work, tmp_path):
     ("from-accelerate:{\"model.layers.0\": \"disk\"}", "hetplan reads 0"),
     ("from-vllm:--cpu-offload-gb lots", "expected a non-negative number"),
     ("from-vllm:--swap-space 4", "is not one hetplan reads"),
+    ("from-vllm:--offload-group-size 2 --offload-params gate_up_proj down_proj", "offloads only the matching"),
+    ("from-vllm:--cpu-offload-gb 1 --cpu-offload-params experts", "offloads only the matching"),
+    ("from-vllm:--offload-group-size 2 --offload-prefetch-step 0", "requires at least 1"),
+    ("from-vllm:--offload-group-size 2 --offload-num-in-group 3", "must be between 1 and"),
+    ("from-vllm:--offload-backend disk --cpu-offload-gb 1", "vLLM's backends are auto, uva, prefetch"),
     ("from-ktransformers:/nonexistent/rules.yaml", "no such rule file"),
 ])
 def test_bad_engine_configurations_are_one_line(work, tmp_path, strategy, says):

@@ -15,6 +15,7 @@ import pytest
 from gguf import GGUFReader
 
 from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.frontends.gguf import spec_from_gguf
 from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan
 from tests.gguf.files import Dims, llama31_8b_q4_k_m_types, write_deepseek2, write_header_only, write_model
@@ -197,3 +198,21 @@ def test_dense_stages_read_the_bytes_their_block_holds(tmp_path, node):
             stages[t.block] += 1
     for block in ("attn_0", "attn_1", "mlp_0", "mlp_1", "head"):
         assert read[block] == pytest.approx(placed[block] + stages[block] * act, rel=1e-9), block
+
+
+def test_one_experts_bytes_are_its_three_tensors_each_in_its_own_type(tmp_path):
+    """A routed expert of a Q4_K gate/up, Q6_K down file is priced per tensor type (two q4_k_m
+    matrices and one q8_0 matrix, ``HELD``), not at one bytes-per-weight for the block."""
+    path = tmp_path / "m.gguf"
+    dims = Dims()
+    write_model(path, "qwen3moe", MIXED, dims=dims)
+    spec = spec_from_gguf(path)
+
+    def matrix(kind, rows, cols):
+        values, size = HELD[kind]
+        return -(-rows * (cols // values) * size // 16) * 16
+
+    d, i = dims.hidden, dims.expert_ffn
+    want = 2 * matrix("Q4_K", i, d) + matrix("Q6_K", d, i)
+    assert spec.expert_bytes() == want
+    assert want != 3 * matrix("Q4_K", i, d) and want != 3 * matrix("Q6_K", i, d)

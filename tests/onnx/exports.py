@@ -11,8 +11,10 @@ parameters by name (read before the export, which may rewrite the module). Expor
 - ``optimum``: the graph signature of ``optimum-cli export onnx --task text-generation[-with-past]``
   (inputs ``input_ids``, ``attention_mask``, ``position_ids`` and the past key/values; outputs
   ``logits`` and ``present.*``), made with the TorchScript exporter at optimum's opset 14.
-  optimum-onnx 0.1 pins transformers < 4.58, older than the transformers the rest of the suite
-  tests against, so its export is reproduced rather than installed.
+  optimum's exporters are not installable beside the transformers (5.x) the rest of the suite
+  tests against: every optimum-onnx release (0.0.1 .. 0.1.0) requires ``transformers<4.58``
+  (0.1.0: ``optimum~=2.1.0``), pip finds no resolution, and optimum 2.3.0 itself has no
+  ``exporters`` extra any more; so its export is reproduced rather than installed.
 
 With ``with_past`` the graph takes ``past_key_values.{l}.key/value`` ([batch, kv_heads, past,
 head_dim]) and an attention mask, and returns ``present.*`` beside the logits, as
