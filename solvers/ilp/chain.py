@@ -33,8 +33,12 @@ The search, per configuration:
 (3) If the fronts outgrow ``max_states`` (the deterministic limit, like HiGHS's node limit):
     plans that fill the GPU with whole blocks (``chain_cells``, a shortest path over HBM
     cells), improved by the local search, replace the incumbent where better, and (2) runs
-    again under the lower ceiling with as many states. If it outgrows them too, the search
-    stops with the incumbent and the dual bound, and says so (``ChainResult.proven``).
+    again under the lower ceiling with as many states.
+(4) If it outgrows them too: the memory row rounded onto a grid of cells (``chain_grid``), a
+    shortest path over (block, option, cells) that gives a bound seeing whole blocks (each
+    deviation rounded to the loose side) and a plan that fits (rounded to the tight side),
+    refined until they meet. Where they are still apart, the search stops with the best plan
+    and the better bound, and says so (``ChainResult.proven``).
 
 Knows the MILP's rows (through ``options``) and the schedule's chain; knows nothing about HiGHS
 or the plan's format.
@@ -49,6 +53,7 @@ import numpy as np
 from hetplan.buses import capacities
 from hetplan.graph import PHASES
 from hetplan.solvers.ilp.chain_cells import cell_plans
+from hetplan.solvers.ilp.chain_grid import grid
 from hetplan.solvers.ilp.options import tables
 
 MAX_STATES = 600_000
@@ -222,6 +227,11 @@ class Chain:
         seen.append((lam, h, dual))
         return path, cost, nbytes, dual
 
+    def cost(self, path: list) -> float:
+        """The weighted objective of the plan ``path`` (options), by its pair terms."""
+        return float(self.init[path[0]] + self.final[path[-1]]
+                     + sum(d[a, b] for d, a, b in zip(self.delta, path, path[1:])))
+
     def improve(self, path: list, cost: float) -> tuple:
         """Local search from a plan that fits: repeatedly change the one block's option that
         lowers the cost most while the plan still fits (its pair terms with both neighbours
@@ -294,7 +304,13 @@ class Chain:
                     return self._settle(incumbent, cutoff_ms, dual, used)
                 res, used = self._targets(mults, dual, floor, max_states), 2 * max_states
         if res is None:
-            return self._settle(incumbent, cutoff_ms, dual, used, proven=False)
+            # (4) the memory row rounded onto a grid: a bound that sees whole blocks, and a plan
+            found = grid(self, rel_gap, incumbent)
+            if found is not None:
+                dual, incumbent = max(dual, found.bound_ms), found.plan
+                ceiling = min(incumbent[1] if incumbent is not None else float("inf"), ceiling)
+                floor = ceiling - rel_gap * abs(ceiling) if ceiling < float("inf") else float("inf")
+            return self._settle(incumbent, cutoff_ms, dual, used, proven=dual >= floor)
         found, states = res
         return found if found is not None else self._settle(incumbent, cutoff_ms, floor, states)
 
