@@ -147,8 +147,7 @@ class Chain:
             cost += float(d[o[-1], nxt])
             o.append(nxt)
         cost += float(self.final[o[-1]])
-        nbytes = float(sum(y[j] for y, j in zip(self.y, o)))
-        return o, cost, nbytes
+        return o, cost, self.nbytes(o)
 
     def any_fits(self) -> bool:
         """False when no plan that uses the GPU can meet both memory rows (the bytes of the
@@ -227,6 +226,10 @@ class Chain:
         seen.append((lam, h, dual))
         return path, cost, nbytes, dual
 
+    def nbytes(self, path: list) -> float:
+        """The GPU-resident bytes of the plan ``path`` (options): the memory rows' sum."""
+        return float(sum(y[j] for y, j in zip(self.y, path)))
+
     def cost(self, path: list) -> float:
         """The weighted objective of the plan ``path`` (options), by its pair terms."""
         return float(self.init[path[0]] + self.final[path[-1]]
@@ -237,7 +240,7 @@ class Chain:
         lowers the cost most while the plan still fits (its pair terms with both neighbours
         recomputed) -> (options, cost). Only an incumbent: the bound comes from elsewhere."""
         path = list(path)
-        nbytes = float(sum(y[j] for y, j in zip(self.y, path)))
+        nbytes = self.nbytes(path)
         last = len(self.blocks) - 1
         for _ in range(MAX_MOVES):
             best = (0.0, None, None)

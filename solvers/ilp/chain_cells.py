@@ -62,9 +62,6 @@ def cell_plans(chain, lam: float, cells: int = CELLS, tops: int = TOPS) -> list:
             row = chain.delta[i - 1][path[-1]] + into[i][:, left]
             path.append(int(np.argmin(row)))
             left -= weight[i][path[-1]]
-        nbytes = float(sum(y[j] for y, j in zip(chain.y, path)))
-        if chain.fits(nbytes):
-            cost = float(chain.init[path[0]] + chain.final[path[-1]]
-                         + sum(d[a, b] for d, a, b in zip(chain.delta, path, path[1:])))
-            out.append((path, cost))
+        if chain.fits(chain.nbytes(path)):
+            out.append((path, chain.cost(path)))
     return out

@@ -130,7 +130,7 @@ def grid(chain, rel_gap: float, incumbent: tuple | None, cells=CELLS) -> GridRes
     for n in cells:
         bound, _ = _Rounded(chain, n, tight=False).solve(with_path=False)
         _, path = _Rounded(chain, n, tight=True).solve(with_path=True)
-        if path is not None and chain.fits(float(sum(y[j] for y, j in zip(chain.y, path)))):
+        if path is not None and chain.fits(chain.nbytes(path)):
             plan = chain.improve(path, chain.cost(path))
             if incumbent is None or plan[1] < incumbent[1]:
                 incumbent = plan
