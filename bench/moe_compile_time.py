@@ -6,7 +6,7 @@ then ``--objective throughput --batch 64``, ``--stream-cold-experts``, and DeepS
 rtx4090-64g with 512 GiB of DRAM (a node.yaml: the preset with its memory raised; uniform and
 skewed). For each: wall and CPU seconds of the
 whole ``compile_plan`` (inputs, problem building, LP bounds, every MILP, plan assembly), the
-solver's status and MIP gap, what solved it (``milp``, ``chain-dp``: ``solvers/ilp/chain.py``,
+solver's status and MIP gap, what solved it (``milp``, ``chain-dp``: ``solvers/ilp/chain/``,
 or both), and whether the target holds (<= 10 s wall,
 <= 5 s for the DeepSeek rtx4090 rows; status optimal, gap <= 1e-3).
 

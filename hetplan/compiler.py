@@ -194,7 +194,7 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
                         "mip_rel_gap": opts.mip_rel_gap, "depths": list(opts.depths)}}
     if res.formulation == "milp":
         info["size"] = {"binaries": res.n_binaries, "constraints": res.n_constraints}
-    else:  # the chain DP decided some configuration (solvers/ilp/chain.py): no MILP size to state
+    else:  # the chain DP decided some configuration (solvers/ilp/chain/): no MILP size to state
         info["formulation"] = res.formulation
     dec = res.decision
     if dec is None and res.status.startswith(("time_limit", "node_limit")):  # not proof that nothing fits

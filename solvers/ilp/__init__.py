@@ -3,7 +3,7 @@ replay once tasks share a bus), solved by HiGHS through PuLP.
 
 ``solve`` (in ``per_block``) runs one MILP per configuration (staging depth, slot size): the count
 MILP of ``layers`` when the model's layers are all alike, else the per-block MILP (for a MoE
-model, the chain DP of ``chain``, ``chain_cells`` and ``chain_plan`` where it proves the
+model, the chain DP of ``chain`` (a package: ``dp``, ``cells``, ``grid``, ``plan``) where it proves the
 optimum). Constraint families live in ``constraints`` (one function each, the math in its
 docstring), the MoE expert split in ``experts``, and what both minimise, the block-time
 formulas and the HiGHS run in ``objective``. Knows the problem's numbers and the schedule's

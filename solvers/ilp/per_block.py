@@ -26,8 +26,8 @@ from hetplan.graph import PHASES
 from hetplan.plan import Decision
 from hetplan.problem import Problem
 from hetplan.solvers.ilp import constraints as C
-from hetplan.solvers.ilp.chain import Chain
-from hetplan.solvers.ilp.chain_plan import solve_config
+from hetplan.solvers.ilp.chain.dp import Chain
+from hetplan.solvers.ilp.chain.plan import solve_config
 from hetplan.solvers.ilp.constraints import MODES
 from hetplan.solvers.ilp.experts import ExpertVars
 from hetplan.solvers.ilp.layers import LayerModel, layered

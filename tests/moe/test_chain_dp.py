@@ -1,4 +1,4 @@
-"""The chain DP (``solvers/ilp/chain.py``) decides MoE placements exactly.
+"""The chain DP (``solvers/ilp/chain/``) decides MoE placements exactly.
 
 On tiny MoE models whose layers route differently (so the count MILP does not apply and every
 configuration goes to the per-block formulation), the DP's objective is the per-block MILP's
@@ -158,7 +158,7 @@ def test_the_compile_time_counts_the_chain_dp(monkeypatch, tmp_path):
 # -- the fallback when the forward DP's fronts outgrow their limit --------------------------------
 
 def _chains(pr):
-    from hetplan.solvers.ilp.chain import Chain
+    from hetplan.solvers.ilp.chain.dp import Chain
     from hetplan.solvers.ilp.objective import Weights
     from hetplan.solvers.ilp.per_block import configurations, slowest_stage_s
 
@@ -168,11 +168,11 @@ def _chains(pr):
 
 @pytest.mark.parametrize("share", list(SHARES))
 def test_plans_on_the_hbm_grid_fit_and_cost_what_their_timeline_says(share):
-    """Every plan ``chain_cells`` hands out meets the GPU row with its true bytes, and its cost
-    is the weighted phase makespans of its chain (``chain_plan.phase_ms``, the pair recursion
+    """Every plan ``chain.cells`` hands out meets the GPU row with its true bytes, and its cost
+    is the weighted phase makespans of its chain (``chain.plan.phase_ms``, the pair recursion
     evaluated block by block)."""
-    from hetplan.solvers.ilp.chain_cells import cell_plans
-    from hetplan.solvers.ilp.chain_plan import phase_ms
+    from hetplan.solvers.ilp.chain.cells import cell_plans
+    from hetplan.solvers.ilp.chain.plan import phase_ms
 
     pr = problem("latency", SHARES[share])
     chains, weights = _chains(pr)

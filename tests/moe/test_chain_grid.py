@@ -1,4 +1,4 @@
-"""The memory row rounded onto a grid (``solvers/ilp/chain_grid.py``) brackets the optimum.
+"""The memory row rounded onto a grid (``solvers/ilp/chain/grid.py``) brackets the optimum.
 
 On the tiny MoE model of ``test_chain_dp`` (layers routed differently, skewed), for every
 configuration of tight, medium and loose budgets and the latency and throughput objectives: the
@@ -12,7 +12,7 @@ import pytest
 from tests.moe.test_chain_dp import EXACT, MILP, SHARES, _chains, problem
 
 from hetplan.solvers.ilp import IlpOptions, solve
-from hetplan.solvers.ilp.chain_grid import grid
+from hetplan.solvers.ilp.chain.grid import grid
 from hetplan.solvers.ilp.per_block import _Model
 
 
@@ -62,7 +62,8 @@ def test_a_coarse_grid_bound_is_no_higher_than_a_fine_one_needs(share):
 @pytest.mark.parametrize("workload", ["latency", "throughput"])
 @pytest.mark.parametrize("share", list(SHARES))
 def test_the_grid_proves_the_optimum_when_the_fronts_outgrow_their_limit(workload, share, monkeypatch):
-    from hetplan.solvers.ilp import chain, per_block
+    from hetplan.solvers.ilp import per_block
+    from hetplan.solvers.ilp.chain import dp as chain
 
     pr = problem(workload, SHARES[share])
     milp = solve(pr, IlpOptions(**MILP))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hetplan.graph import PHASES
 from hetplan.plan import Decision
-from hetplan.solvers.ilp.chain import MAX_STATES, Chain
+from hetplan.solvers.ilp.chain.dp import MAX_STATES, Chain
 from hetplan.solvers.ilp.objective import MS, block_costs, duration_ms
 from hetplan.solvers.ilp.options import has_core_stage
 

@@ -15,7 +15,7 @@ with Y(o) the HBM bytes of option o,
 (a plan with nothing on the GPU is the one exception to U, priced apart). Two rows couple every
 block: the per-phase bus totals and the prompt-KV lane (``add_bus_bounds``,
 ``add_kv_down_edges``). The search leaves them out, which makes its values lower bounds of the
-MILP's; ``chain_plan`` prices the plan found with them, and when they bind beyond the gap
+MILP's; ``chain.plan`` prices the plan found with them, and when they bind beyond the gap
 tolerance the caller solves the MILP instead.
 
 The search, per configuration:
@@ -31,10 +31,10 @@ The search, per configuration:
     gap tolerance). The first target under which a plan completes gives the optimum; when none
     does, the incumbent is within the tolerance of every plan.
 (3) If the fronts outgrow ``max_states`` (the deterministic limit, like HiGHS's node limit):
-    plans that fill the GPU with whole blocks (``chain_cells``, a shortest path over HBM
+    plans that fill the GPU with whole blocks (``chain.cells``, a shortest path over HBM
     cells), improved by the local search, replace the incumbent where better, and (2) runs
     again under the lower ceiling with as many states.
-(4) If it outgrows them too: the memory row rounded onto a grid of cells (``chain_grid``), a
+(4) If it outgrows them too: the memory row rounded onto a grid of cells (``chain.grid``), a
     shortest path over (block, option, cells) that gives a bound seeing whole blocks (each
     deviation rounded to the loose side) and a plan that fits (rounded to the tight side),
     refined until they meet. Where they are still apart, the search stops with the best plan
@@ -52,8 +52,8 @@ import numpy as np
 
 from hetplan.buses import capacities
 from hetplan.graph import PHASES
-from hetplan.solvers.ilp.chain_cells import cell_plans
-from hetplan.solvers.ilp.chain_grid import grid
+from hetplan.solvers.ilp.chain.cells import cell_plans
+from hetplan.solvers.ilp.chain.grid import grid
 from hetplan.solvers.ilp.options import tables
 
 MAX_STATES = 600_000
@@ -297,7 +297,7 @@ class Chain:
         res, used = self._targets(mults, dual, floor, max_states), max_states
         if res is None and mults:
             # the fronts outgrew their limit: a plan that fills the GPU with whole blocks
-            # (chain_cells) may lower the ceiling enough for the search to finish
+            # (chain.cells) may lower the ceiling enough for the search to finish
             plans = [self.improve(*p) for p in sorted(cell_plans(self, mults[0][0]), key=lambda p: p[1])[:4]]
             if plans and min(p[1] for p in plans) < ceiling:
                 incumbent = min(plans, key=lambda p: p[1])

@@ -1,4 +1,4 @@
-"""A bound and a plan for the chain DP (``chain``) from the memory row rounded onto a grid.
+"""A bound and a plan for the chain DP (``chain.dp``) from the memory row rounded onto a grid.
 
 The chain's only coupling is the GPU row sum_b Y(o_b) <= U. Measured from a reference plan, each
 option deviates by a non-negative amount, and the row becomes a knapsack row on those amounts:
@@ -21,7 +21,7 @@ Tables are kept per block for the path back, except a block with many options (a
 hot counts) after one that is kept: its table is recomputed from its predecessor's when the
 path reaches it, so the memory held is about (options of the small blocks) x cells.
 
-Knows the chain's pair terms and memory (``chain.Chain``); knows nothing about the search.
+Knows the chain's pair terms and memory (``dp.Chain``); knows nothing about the search.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class _Rounded:
     """The grid of one orientation and size: each option's cells, rounded one way."""
 
     def __init__(self, chain, cells: int, tight: bool):
-        from hetplan.solvers.ilp.chain import REL_TOL
+        from hetplan.solvers.ilp.chain.dp import REL_TOL
 
         self.chain, self.cells = chain, cells
         ymax, ymin = sum(y.max() for y in chain.y), sum(y.min() for y in chain.y)

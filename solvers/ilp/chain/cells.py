@@ -1,4 +1,4 @@
-"""Plans for the chain DP (``chain``) from a shortest path over (block, option, HBM cells).
+"""Plans for the chain DP (``chain.dp``) from a shortest path over (block, option, HBM cells).
 
 Where keeping part of a block resident does not pay until most of it is (a MoE block whose split
 runs its cold experts on a slow CPU, beside streaming the whole block), the Lagrangian's paths
