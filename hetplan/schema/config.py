@@ -25,7 +25,7 @@ Factor = quantity("x", 1e6)
 class RopeScaling(Strict):
     """A Hugging Face ``rope_scaling`` (or ``rope_parameters``) mapping: the keys transformers'
     RoPE types read."""
-    rope_type: Name | None = Field(None, description="default, linear, dynamic, yarn, longrope, llama3")
+    rope_type: Name | None = Field(None, description="default, linear, dynamic, yarn, longrope, llama3, gguf_rope_freqs")
     type: Name | None = Field(None, description="older name of rope_type")
     rope_theta: quantity("x", 1e12, low_open=True) | None = Field(None, description="RoPE base (rope_parameters)")
     factor: quantity("x", 1e6, low_open=True) | None = Field(None, description="context extension factor")
@@ -41,6 +41,8 @@ class RopeScaling(Strict):
     partial_rotary_factor: quantity("fraction", 1.0, low_open=True) | None = Field(None, description="rotary share of a head")
     short_factor: list[Factor] | None = Field(None, description="longrope")
     long_factor: list[Factor] | None = Field(None, description="longrope")
+    freq_factors: list[quantity("x", 1e6, low_open=True)] | None = Field(
+        None, description="gguf_rope_freqs: each rotary frequency's divisor (a GGUF file's rope_freqs.weight)")
 
 
 class HfConfig(BaseModel):

@@ -6,7 +6,8 @@ expert is a slice of the stacked ``ffn_*_exps`` tensor: its rows, contiguous in 
 llama-architecture file's ``attn_q``/``attn_k`` rows are un-permuted (llama.cpp's converter
 interleaves rotary pairs; the runtime rotates halves, as Hugging Face does). ``packed(t, fmt)``
 is a linear in its runtime format (``repack.to_runtime``), ``view(t)`` any tensor dequantised
-to fp32. Every tensor is read from the mapping once, when its block is placed; ``release``
+to fp32 (MLA's kv_b_proj, which llama.cpp's converter splits into ``attn_k_b``/``attn_v_b``,
+joined back, decoded). Every tensor is read from the mapping once, when its block is placed; ``release``
 drops its pages from the process afterwards. Knows nothing about plans, tiers or schedules.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from hetplan.errors import HetplanError
 from hetplan.frontends.gguf.families import check_shapes, gguf_name, permuted_rows
-from hetplan.frontends.gguf.header import read_header
+from hetplan.frontends.gguf.header import read_f32, read_header
 from hetplan.frontends.gguf.held import price, runtime_format
 from hetplan.model import ModelSpec
 from hetplan.runtime.backend import TensorSpec
@@ -34,10 +35,6 @@ class GgufWeights:
         self.directory = None
         self.header = read_header(self.path)
         self.spec = spec
-        if spec.is_mla:
-            raise HetplanError(f"--weights {self.path}: the runtime does not read deepseek2 GGUF tensors yet "
-                               f"(MLA's attn_kv_b / attn_k_b, attn_v_b); plans compile from the file, but to run "
-                               f"one compile it from the model's config.json and run it on its safetensors")
         check_shapes(self.header, spec)
         if spec.block_bytes:
             mine = price(self.header, spec, None)
@@ -46,9 +43,20 @@ class GgufWeights:
                                    f"plan priced; this is not the file the plan was compiled from: recompile it "
                                    f"with `hetplan compile {self.path}`")
         self._check_expert_pairs()
+        self._check_rope_freqs()
         with open(self.path, "rb") as fh:
             # A private mapping: pages stay shared with the page cache until written.
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def _check_rope_freqs(self) -> None:
+        """The plan rotates by the frequency factors it was compiled with; they must be this file's."""
+        planned = (self.spec.rope_scaling or {}).get("freq_factors")
+        if "rope_freqs.weight" not in self.header.tensors:   # a plan that has factors priced the tensor
+            return
+        found = read_f32(self.header, "rope_freqs.weight", self.header.tensors["rope_freqs.weight"].numel)
+        if found != list(planned or ()):
+            raise HetplanError(f"--weights {self.path}: its rope_freqs.weight differs from the frequency factors "
+                               f"the plan was compiled with; recompile it with `hetplan compile {self.path}`")
 
     def _check_expert_pairs(self) -> None:
         """A routed expert's gate and up projections are multiplied as one (fused) linear: they
@@ -61,6 +69,31 @@ class GgufWeights:
                                    f"needs them in one format (compile with --weight-dtype q8_0 to requantise)")
 
     # -- the weight-source interface -----------------------------------------------------------
+    def _split_kv_b(self, expected: TensorSpec):
+        """(attn_k_b, attn_v_b) when ``expected`` is MLA's kv_b_proj and the file holds it split, as
+        llama.cpp's converter writes it (``families.check_shapes``), else None."""
+        found = gguf_name(expected.checkpoint)
+        if found is None or not found[0].endswith(".attn_kv_b.weight") or found[0] in self.header.tensors:
+            return None
+        k, v = (self.header.tensors.get(found[0].replace("attn_kv_b", part)) for part in ("attn_k_b", "attn_v_b"))
+        return (k, v) if k is not None and v is not None else None
+
+    def _joined_kv_b(self, pair) -> torch.Tensor:
+        """kv_b_proj, fp32 [H (nope + v), r], from W_UK^T [H, r, nope] and W_UV [H, v, r]."""
+        k_t, v_t = pair
+        r, h = k_t.shape[1], k_t.shape[2]
+        k = self._decode(k_t).view(h, r, -1).transpose(1, 2)          # [H, nope, r]
+        v = self._decode(v_t).view(h, -1, r)                          # [H, v, r]
+        return torch.cat((k, v), dim=1).reshape(-1, r)
+
+    def _decode(self, t) -> torch.Tensor:
+        """A whole tensor's values, fp32 [rows, cols] in file order."""
+        cols = t.shape[0]
+        rows = t.numel // cols
+        data = torch.frombuffer(memoryview(self._map)[t.offset:t.offset + rows * repack.row_bytes(t.type, cols)],
+                                dtype=torch.uint8).view(rows, -1)
+        return repack.dequantise(t.type, data, cols)
+
     def _tensor(self, expected: TensorSpec):
         found = gguf_name(expected.checkpoint)
         t = self.header.tensors.get(found[0]) if found else None
@@ -70,6 +103,8 @@ class GgufWeights:
         return t, found[1]
 
     def check(self, expected: TensorSpec, dtype, where: str) -> None:
+        if self._split_kv_b(expected) is not None:
+            return   # the pair's shapes were checked against the metadata (check_shapes)
         t, expert = self._tensor(expected)
         shape = tuple(reversed(t.shape))
         shape = shape[1:] if expert is not None else shape
@@ -100,6 +135,8 @@ class GgufWeights:
 
     def format_of(self, expected: TensorSpec) -> str | None:
         """The runtime format linear ``expected`` is held in (None: unquantised)."""
+        if self._split_kv_b(expected) is not None:
+            return None
         return runtime_format(self._tensor(expected)[0])
 
     def packed(self, expected: TensorSpec, fmt: str) -> torch.Tensor:
@@ -114,6 +151,10 @@ class GgufWeights:
 
     def view(self, expected: TensorSpec, dtype: torch.dtype | None) -> torch.Tensor:
         """The tensor's values, fp32 (or ``dtype``), in the Hugging Face shape and row order."""
+        pair = self._split_kv_b(expected)
+        if pair is not None:
+            x = self._joined_kv_b(pair).reshape(expected.shape)
+            return x if dtype is None else x.to(dtype)
         t, cols, data = self._rows(expected)
         x = repack.dequantise(t.type, data, cols)
         order = self._order(t, data.shape[0])
@@ -128,12 +169,12 @@ class GgufWeights:
 
     def release(self, expected: TensorSpec) -> None:
         """Drop the tensor's pages from this process's resident set (they stay in the page cache)."""
-        t, _ = self._tensor(expected)
-        if not hasattr(mmap, "MADV_DONTNEED") or t.nbytes == 0:
-            return
-        begin = t.offset - t.offset % mmap.PAGESIZE
-        end = min(len(self._map), -(-(t.offset + t.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
-        self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        for t in self._split_kv_b(expected) or (self._tensor(expected)[0],):
+            if not hasattr(mmap, "MADV_DONTNEED") or t.nbytes == 0:
+                continue
+            begin = t.offset - t.offset % mmap.PAGESIZE
+            end = min(len(self._map), -(-(t.offset + t.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+            self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
     def close(self) -> None:
         self._map.close()

@@ -38,7 +38,8 @@ _WRITES = {"embed": ("x",), "attn_in": ("q", "k", "v"), "attn_core": ("o",), "at
 
 def inv_freq(spec: ModelSpec) -> torch.Tensor:
     """Rotary inverse frequencies, fp32 [hd/2]: theta^(-2i/hd), rescaled per ``rope_scaling``
-    (``linear``: / factor; ``llama3``: long wavelengths / factor, a smooth blend in between)."""
+    (``linear``: / factor; ``llama3``: long wavelengths / factor, a smooth blend in between;
+    ``gguf_rope_freqs``: each divided by its factor from the GGUF file, as llama.cpp applies them)."""
     hd = spec.head_dim
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     sc = spec.rope_scaling
@@ -49,6 +50,12 @@ def inv_freq(spec: ModelSpec) -> torch.Tensor:
         raise HetplanError(f"model {spec.name!r}: partial rotary embeddings are not supported by the runtime")
     if kind == "linear":
         return inv / sc["factor"]
+    if kind == "gguf_rope_freqs":
+        factors = torch.tensor(sc["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv.shape:
+            raise HetplanError(f"model {spec.name!r}: {factors.numel()} rope frequency factors for "
+                               f"{inv.numel()} rotary frequencies; recompile the plan from the model file")
+        return inv / factors
     if kind == "llama3":
         factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
         old = sc["original_max_position_embeddings"]
@@ -59,7 +66,7 @@ def inv_freq(spec: ModelSpec) -> torch.Tensor:
         medium = ~(wavelen < old / high) * ~(wavelen > old / low)
         return torch.where(medium, blended, scaled)
     raise HetplanError(f"model {spec.name!r}: rope scaling {kind!r} is not supported by the runtime "
-                       f"(supported: default, linear, llama3)")
+                       f"(supported: default, linear, llama3, gguf_rope_freqs)")
 
 
 class DenseBackend:

@@ -10,6 +10,7 @@ to keep values near the spread of a fresh model), and read back through ``gguf.q
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,10 +93,12 @@ def layer_tensors(arch: str, dims: Dims, moe: bool = False) -> dict:
 
 
 def write_model(path, arch: str = "llama", types: dict | None = None, dims: Dims = Dims(), seed: int = 0,
-                tied: bool = False, name: str = "tiny", shapes: dict | None = None, moe: bool = False) -> None:
+                tied: bool = False, name: str = "tiny", shapes: dict | None = None, moe: bool = False,
+                rope_freqs=None, rope_freqs_type=T.F32) -> None:
     """A random ``arch`` (llama or qwen3moe) model at ``path``; ``types``: GGUF tensor name or
     suffix (``attn_v.weight``, ``token_embd.weight``, ``blk.1.ffn_down.weight``) -> type name;
-    ``shapes``: tensor name -> a shape written instead of the one the metadata implies."""
+    ``shapes``: tensor name -> a shape written instead of the one the metadata implies;
+    ``rope_freqs``: values of a ``rope_freqs.weight`` tensor (in ``rope_freqs_type``)."""
     types = types or {}
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch)
@@ -126,6 +129,9 @@ def write_model(path, arch: str = "llama", types: dict | None = None, dims: Dims
     for l in range(dims.layers):
         names.update({f"blk.{l}.{k}": v for k, v in layer_tensors(arch, dims, moe).items()})
     names.update(shapes or {})
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float16 if rope_freqs_type == T.F16
+                                                     else np.float32), raw_dtype=rope_freqs_type)
     for tname, shape in names.items():
         norm = len(shape) == 1
         values = (1 + rng.uniform(-0.1, 0.1, shape) if norm else rng.uniform(-0.05, 0.05, shape)).astype(np.float32)
@@ -153,7 +159,7 @@ def llama31_8b_q4_k_m_types(layers: int = 32) -> dict:
 def write_header_only(path, dims: Dims, types: dict, rope_freqs: bool = True) -> int:
     """A llama file at ``dims`` whose tensor data are all zeros, written as a sparse file: the
     header and tensor directory, then a hole up to the file's full size (nothing is written, so
-    a model of gigabytes takes no disk). Returns the file's size."""
+    a model of gigabytes takes no disk), but for Llama 3.1's rope factors. Returns the file's size."""
     w = GGUFWriter(str(path), "llama")
     w.add_name("Meta Llama 3.1 8B Instruct")
     w.add_block_count(dims.layers)
@@ -173,12 +179,13 @@ def write_header_only(path, dims: Dims, types: dict, rope_freqs: bool = True) ->
         names.update({f"blk.{l}.{k}": v for k, v in layer_tensors("llama", dims).items()})
     names.update({"output_norm.weight": (dims.hidden,), "output.weight": (dims.vocab, dims.hidden)})
     sizes = {"F32": (1, 4), "Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34)}
-    total = 0
+    total, offsets = 0, {}
     for tname, shape in names.items():
         kind = types.get(tname) or types.get(tname.split(".", 2)[-1]) or ("F32" if len(shape) == 1 else "Q4_K")
         per, size = sizes[kind]
         nbytes = int(np.prod(shape)) // per * size
         w.add_tensor_info(tname, shape, np.dtype(np.float32), nbytes, raw_dtype=TYPES[kind])
+        offsets[tname] = total
         total += -(-nbytes // 32) * 32
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -188,16 +195,43 @@ def write_header_only(path, dims: Dims, types: dict, rope_freqs: bool = True) ->
     start = -(-start // 32) * 32
     with open(path, "r+b") as fh:
         fh.truncate(start + total)
+        if rope_freqs:   # Llama 3.1's factors, as its converter writes them
+            fh.seek(start + offsets["rope_freqs.weight"])
+            fh.write(np.asarray(llama3_rope_factors(500000.0, dims.head_dim, 8.0, 1.0, 4.0, 8192),
+                                dtype="<f4").tobytes())
     return start + total
+
+
+def llama3_rope_factors(base: float, dim: int, factor: float, low: float, high: float, old_context: int) -> list:
+    """``rope_freqs.weight`` as llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel``) computes it
+    for a ``llama3`` rope scaling: per frequency, 1 for wavelengths under ``old_context / high``,
+    ``factor`` above ``old_context / low``, and ``1 / ((1 - s) / factor + s)`` between, with
+    ``s = (old_context / wavelength - low) / (high - low)``; llama.cpp divides each frequency by it."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / dim))
+        if wavelen < old_context / high:
+            out.append(1.0)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
 
 
 MLA = dict(q_lora=128, kv_lora=64, rope=32, nope=32, v=32, shared=1, dense=1)
 """deepseek2's attention and expert dims for ``write_deepseek2`` (with ``Dims``)."""
 
 
-def write_deepseek2(path, dims: Dims = Dims(), types: dict | None = None, seed: int = 0) -> dict:
+def write_deepseek2(path, dims: Dims = Dims(), types: dict | None = None, seed: int = 0,
+                    split_kv_b: bool = False, spread: float = 0.05) -> dict:
     """A random deepseek2 (MLA, routed + shared experts, leading dense layers) file, with
-    llama.cpp's key names; returns the metadata written, as the ModelSpec fields it means."""
+    llama.cpp's key names; returns the metadata written, as the ModelSpec fields it means.
+    ``split_kv_b``: each ``attn_kv_b`` written as llama.cpp's converter (``DeepseekV2Model``) writes
+    it for its MLA kernels: viewed [H, nope + v, r], split into k_b [H, nope, r] and v_b [H, v, r],
+    k_b transposed to [H, r, nope]; saved as ``attn_k_b`` and ``attn_v_b``. Norm weights are
+    1 +- 0.1, the other tensors uniform in +-``spread``."""
     types, m = types or {}, MLA
     rng = np.random.default_rng(seed)
     a = "deepseek2"
@@ -235,11 +269,18 @@ def write_deepseek2(path, dims: Dims = Dims(), types: dict | None = None, seed: 
                           "ffn_gate_shexp.weight": (s, d), "ffn_up_shexp.weight": (s, d), "ffn_down_shexp.weight": (d, s)})
         names.update({f"blk.{l}.{k}": v for k, v in layer.items()})
     for tname, shape in names.items():
-        values = rng.uniform(-0.05, 0.05, shape).astype(np.float32)
-        suffix = tname.split(".", 2)[2] if tname.startswith("blk.") else tname
-        kind = types.get(tname) or types.get(suffix) or ("F32" if len(shape) == 1 else "Q8_0")
-        data, qtype = encode(values, kind, rng)
-        w.add_tensor(tname, data, raw_dtype=qtype)
+        norm = tname.endswith("norm.weight")
+        values = (1 + rng.uniform(-0.1, 0.1, shape) if norm else rng.uniform(-spread, spread, shape)).astype(np.float32)
+        parts = {tname: values}
+        if split_kv_b and tname.endswith("attn_kv_b.weight"):
+            kv_b = values.reshape(h, m["nope"] + m["v"], r)
+            parts = {tname.replace("kv_b", "k_b"): np.ascontiguousarray(kv_b[:, :m["nope"]].transpose(0, 2, 1)),
+                     tname.replace("kv_b", "v_b"): np.ascontiguousarray(kv_b[:, m["nope"]:])}
+        for name, part in parts.items():
+            suffix = name.split(".", 2)[2] if name.startswith("blk.") else name
+            kind = types.get(name) or types.get(suffix) or ("F32" if len(shape) == 1 else "Q8_0")
+            data, qtype = encode(part, kind, rng)
+            w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 
 import pytest
+import gguf
 from gguf import GGUFReader
 
 from hetplan.compiler import CompileRequest, compile_plan
@@ -216,3 +217,30 @@ def test_one_experts_bytes_are_its_three_tensors_each_in_its_own_type(tmp_path):
     want = 2 * matrix("Q4_K", i, d) + matrix("Q6_K", d, i)
     assert spec.expert_bytes() == want
     assert want != 3 * matrix("Q4_K", i, d) and want != 3 * matrix("Q6_K", i, d)
+
+
+def test_deepseek2_yarn_scaling_reads_back_what_the_converter_wrote(tmp_path):
+    """llama.cpp's converter writes DeepSeek-V3's yarn as type, factor, original context and
+    ``yarn_log_multiplier = 0.1 * mscale_all_dim`` (config: factor 40, 4096, mscale 1.0)."""
+    from gguf import GGUFWriter
+    src = tmp_path / "ds.gguf"
+    write_deepseek2(src, Dims(layers=2, hidden=256, heads=4, experts=4, expert_ffn=64))
+    reader = GGUFReader(str(src))
+    path = tmp_path / "yarn.gguf"
+    w = GGUFWriter(str(path), "deepseek2")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            w.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(40.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_rope_scaling_yarn_log_mul(0.1 * 1.0)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    scaling = load_model(str(path)).rope_scaling
+    assert scaling == {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                       "mscale": pytest.approx(1.0), "mscale_all_dim": pytest.approx(1.0)}

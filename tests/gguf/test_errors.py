@@ -91,12 +91,37 @@ def test_exec_with_another_file_than_compiled_is_refused(tmp_path, capsys, monke
     assert code == 2 and "run it with --weights set to that .gguf file" in err, err
 
 
-def test_exec_of_a_deepseek2_file_says_it_is_not_supported(tmp_path, capsys, monkeypatch):
+def test_exec_of_a_deepseek2_file_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
     from tests.gguf.files import Dims, write_deepseek2
     monkeypatch.chdir(tmp_path)
     (tmp_path / "node.yaml").write_text(NODE)
-    write_deepseek2(tmp_path / "ds.gguf", Dims(layers=2, hidden=256, heads=4, experts=4, expert_ffn=64))
+    write_deepseek2(tmp_path / "ds.gguf", Dims(layers=2, hidden=256, heads=4, experts=4, expert_ffn=64), split_kv_b=True)
     assert run(["compile", "ds.gguf", "--hw", "node.yaml", "-o", "plan.json", "--prompt-len", "4",
                 "--gen-len", "2"], capsys)[0] == 0
-    code, _, err = run(["exec", "plan.json", "--weights", "ds.gguf", "--prompt-ids", "1,2,3,4"], capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "deepseek2" in err, err
+    code, out, err = run(["exec", "plan.json", "--weights", "ds.gguf", "--prompt-ids", "1,2,3,4"], capsys)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("drop", ["attn_v_b", "attn_k_b"])
+def test_a_deepseek2_file_without_its_kv_b_is_one_line_exit_2(tmp_path, capsys, monkeypatch, drop):
+    from gguf import GGUFReader
+    from tests.gguf.files import Dims, write_deepseek2
+    monkeypatch.chdir(tmp_path)
+    write_deepseek2(tmp_path / "full.gguf", Dims(layers=2, hidden=256, heads=4, experts=4, expert_ffn=64),
+                    split_kv_b=True)
+    reader = GGUFReader(str(tmp_path / "full.gguf"))
+    w = GGUFWriter(str(tmp_path / "ds.gguf"), "deepseek2")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        if t.name != f"blk.1.{drop}.weight":
+            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, _, err = run(["compile", "ds.gguf", "--hw", "cpu-64g", "-o", "plan.json"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"no tensor 'blk.1.{drop}.weight'" in err and not (tmp_path / "plan.json").exists()

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from hetplan.errors import HetplanError
-from hetplan.frontends.gguf.header import GgufHeader, read_header
+from hetplan.frontends.gguf.header import GgufHeader, read_f32, read_header
 from hetplan.model import ModelSpec
 
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3"}
@@ -86,13 +86,32 @@ def _rope_scaling(h: GgufHeader, num) -> dict | None:
     GGUF keeps as a tensor (``rope_freqs.weight``), are named as such."""
     kind = h.metadata.get(f"{h.arch}.rope.scaling.type")
     if "rope_freqs.weight" in h.tensors:
-        return {"rope_type": "gguf_rope_freqs"}
+        return {"rope_type": "gguf_rope_freqs", "freq_factors": rope_freqs(h, num)}
     if kind in (None, "none"):
         return None
     out = {"rope_type": str(kind), "factor": num("rope.scaling.factor", 1.0, float)}
     if f"{h.arch}.rope.scaling.original_context_length" in h.metadata:
         out["original_max_position_embeddings"] = num("rope.scaling.original_context_length")
+    if f"{h.arch}.rope.scaling.yarn_log_multiplier" in h.metadata:
+        # llama.cpp's converter writes 0.1 * mscale_all_dim (DeepSeek's configs have mscale equal to
+        # it, the case llama.cpp's attention scale computes)
+        mscale = num("rope.scaling.yarn_log_multiplier", 0.0, float) / 0.1
+        out.update(mscale=mscale, mscale_all_dim=mscale)
     return out
+
+
+def rope_freqs(h: GgufHeader, num) -> list[float]:
+    """The divisors of each rotary frequency in ``rope_freqs.weight`` (llama.cpp's converter writes
+    Llama 3.1's scaling this way: ``theta_i = pos * base^(-2i/d) / f_i``), read from the file: a
+    plan keeps them, so it runs from any copy of the weights. Each must be a positive number."""
+    heads = num("attention.head_count")
+    dim = num("rope.dimension_count", 0) or num("attention.key_length", 0) or num("embedding_length") // heads
+    values = read_f32(h, "rope_freqs.weight", dim // 2)
+    bad = [i for i, v in enumerate(values) if not (0 < v < 1e6)]
+    if bad:
+        raise HetplanError(f"{h.path}: tensor 'rope_freqs.weight' holds {values[bad[0]]!r} at index {bad[0]}; "
+                           f"each rotary frequency factor must be a positive number below 1e6; the file is corrupt")
+    return values
 
 
 def _deepseek(h: GgufHeader, num, heads: int) -> dict:
@@ -105,8 +124,8 @@ def _deepseek(h: GgufHeader, num, heads: int) -> dict:
     extra = {"routed_scaling_factor": num("expert_weights_scale", 1.0, float),
              "norm_topk_prob": bool(h.metadata.get(f"{h.arch}.expert_weights_norm", False)),
              "scoring_func": GATING.get(num("expert_gating_func", 1), "softmax")}
-    if f"{h.arch}.expert_group_count" in h.metadata:
-        extra.update(n_group=num("expert_group_count"), topk_group=num("expert_group_used_count"))
+    # llama.cpp routes over groups only when the file names them; without, every expert is one group
+    extra.update(n_group=num("expert_group_count", 1) or 1, topk_group=num("expert_group_used_count", 1) or 1)
     return dict(n_kv_heads=heads, head_dim=qk, n_experts=num("expert_count"),
                 experts_per_token=num("expert_used_count"), moe_intermediate=num("expert_feed_forward_length"),
                 n_shared_experts=num("expert_shared_count", 0), first_dense_layers=num("leading_dense_block_count", 0),
@@ -161,7 +180,7 @@ def expected_shapes(spec: ModelSpec) -> dict:
                     "attn_q_b.weight": (h * qk, spec.q_lora_rank), "attn_q.weight": (h * qk, d),
                     "attn_kv_a_mqa.weight": (r + spec.qk_rope_head_dim, d), "attn_kv_a_norm.weight": (r,),
                     "attn_kv_b.weight": (h * (spec.qk_nope_head_dim + spec.v_head_dim), r),
-                    "attn_k_b.weight": (h, spec.qk_nope_head_dim, r), "attn_v_b.weight": (h, r, spec.v_head_dim)})
+                    "attn_k_b.weight": (h, r, spec.qk_nope_head_dim), "attn_v_b.weight": (h, spec.v_head_dim, r)})
     else:
         out.update({"attn_q.weight": (spec.q_dim, d), "attn_k.weight": (kv, d), "attn_v.weight": (kv, d),
                     "attn_q.bias": (spec.q_dim,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
@@ -171,8 +190,9 @@ def expected_shapes(spec: ModelSpec) -> dict:
 
 def check_shapes(h: GgufHeader, spec: ModelSpec) -> None:
     """Every tensor of the file has the shape the metadata implies (ggml order is the reverse of
-    Hugging Face's); llama.cpp's split MLA tensors (``attn_k_b``/``attn_v_b``) are checked by
-    element count, as converters lay their dims out differently."""
+    Hugging Face's). llama.cpp's converter splits MLA's ``kv_b_proj`` ([H (nope + v), r], per
+    head W_UK then W_UV) into ``attn_k_b`` = W_UK transposed, [H, r, nope], and ``attn_v_b`` =
+    W_UV, [H, v, r]."""
     shapes = expected_shapes(spec)
     top = {"token_embd.weight": (spec.vocab, spec.hidden), "output.weight": (spec.vocab, spec.hidden),
            "output_norm.weight": (spec.hidden,)}
@@ -184,17 +204,17 @@ def check_shapes(h: GgufHeader, spec: ModelSpec) -> None:
         if want is None:
             raise HetplanError(f"{h.path}: tensor {name!r} is not a tensor of a {spec.arch} model")
         got = tuple(reversed(t.shape))
-        loose = rest in ("attn_k_b.weight", "attn_v_b.weight")
-        if (_numel(got) != _numel(want)) if loose else (got != tuple(want)):
+        if got != tuple(want):
             raise HetplanError(f"{h.path}: tensor {name!r} has shape {list(t.shape)} (ggml order), but the "
                                f"metadata implies {list(reversed(want))}; the file's metadata and tensors disagree")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    for l in range(spec.n_layers if spec.is_mla else 0):
+        b = f"blk.{l}."
+        split = [n for n in (b + "attn_k_b.weight", b + "attn_v_b.weight") if n in h.tensors]
+        if b + "attn_kv_b.weight" not in h.tensors and len(split) < 2:
+            missing = b + ("attn_kv_b.weight" if not split else
+                           ("attn_v_b.weight" if split[0].endswith("attn_k_b.weight") else "attn_k_b.weight"))
+            raise HetplanError(f"{h.path}: no tensor {missing!r} (MLA's kv_b_proj, whole or split into attn_k_b "
+                               f"and attn_v_b); the file is incomplete")
 
 
 # -- Hugging Face names (the runtime's backends) -> GGUF names ------------------------------------
@@ -209,6 +229,10 @@ _HF_IN_LAYER = {
     "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
 }
 _HF_PROJ = re.compile(r"^self_attn\.(q|k|v)_proj\.(weight|bias)$")
 _HF_MLP = re.compile(r"^mlp\.(gate|up|down)_proj\.weight$")

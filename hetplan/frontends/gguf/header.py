@@ -120,6 +120,19 @@ def read_header(path: str | Path) -> GgufHeader:
     return GgufHeader(str(p), arch, metadata, tensors)
 
 
+def read_f32(h: GgufHeader, name: str, count: int) -> list[float]:
+    """The ``count`` values of F32 tensor ``name``, read from the file (a few hundred bytes: for
+    the small tensors a plan keeps, such as ``rope_freqs.weight``); one-line errors when the
+    tensor has another type or size."""
+    import numpy as np
+    t = h.tensors[name]
+    if t.type != "F32" or t.shape != (count,):
+        raise HetplanError(f"{h.path}: tensor {name!r} is {t.type} {list(t.shape)}; expected F32 [{count}] "
+                           f"(one value per rotary frequency); the file is corrupt or from an unknown converter")
+    values = np.fromfile(h.path, dtype="<f4", count=count, offset=t.offset)
+    return [_shortest(v) for v in values]
+
+
 def _shortest(v: float) -> float:
     """A float32 value as the shortest decimal that reads back to it (1e-05, not
     9.999999747378752e-06): what the converter was given, and what a plan keeps exactly."""

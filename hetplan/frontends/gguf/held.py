@@ -12,6 +12,7 @@ planned are the bytes held):
     Q6_K             q8_0, requantised from the 6-bit values    |error| <= d8 / 2 + 127 |fp16(d8) - d8|
                                                                 per block of 32 (d8 = max|x| / 127)
     F32, F16, BF16   unquantised, in the compute dtype          exact (fp32 on the CPU)
+    attn_k_b/_v_b    (MLA's kv_b split) joined into kv_b, decoded exact
 
 A plan with any quantised linear is a quantised plan: its linears are held packed as above
 (each 16-byte aligned, ``hetplan.dtypes.packed_bytes``), its norms, biases and unquantised
@@ -80,12 +81,20 @@ def float_plan(h: GgufHeader) -> str | None:
     return None
 
 
+SPLIT_KV_B = (".attn_k_b.weight", ".attn_v_b.weight")
+"""MLA's ``kv_b_proj`` as llama.cpp's converter splits it: the runtime joins the pair back into one
+linear, decoded (MLA reads it per head, so a quantised plan holds it at ``RAW_BYTES``)."""
+
+
 def held_bytes(t: GgufTensor, plan_float: str | None) -> int:
     """Bytes tensor ``t`` takes as the runtime holds it (module docstring)."""
     if plan_float is not None:
         return t.numel * FLOAT_BYTES[plan_float]
     if t.name == "token_embd.weight":   # the embed block's lookup table
         return t.numel * EMBED_BYTES
+    if t.name.endswith(SPLIT_KV_B):
+        runtime_format(t)   # a type the runtime can decode
+        return t.numel * RAW_BYTES
     fmt = runtime_format(t) if is_linear(t) else None
     if fmt is None:
         return t.numel * RAW_BYTES
@@ -138,7 +147,7 @@ def price(h: GgufHeader, spec: ModelSpec, weight_dtype: str | None) -> ModelSpec
         b = held_bytes(t, plan_float)
         held[block] += b
         file_bytes[block] += t.nbytes
-        if is_linear(t) and plan_float is None and runtime_format(t) is not None:
+        if is_linear(t) and plan_float is None and runtime_format(t) is not None and not name.endswith(SPLIT_KV_B):
             linear_bytes[runtime_format(t)] += b
         if "_exps." in name:
             expert[block] += b // matrices(t)[0]
