@@ -11,10 +11,11 @@ parameters by name (read before the export, which may rewrite the module). Expor
 - ``optimum``: the graph signature of ``optimum-cli export onnx --task text-generation[-with-past]``
   (inputs ``input_ids``, ``attention_mask``, ``position_ids`` and the past key/values; outputs
   ``logits`` and ``present.*``), made with the TorchScript exporter at optimum's opset 14.
-  optimum's exporters are not installable beside the transformers (5.x) the rest of the suite
-  tests against: every optimum-onnx release (0.0.1 .. 0.1.0) requires ``transformers<4.58``
-  (0.1.0: ``optimum~=2.1.0``), pip finds no resolution, and optimum 2.3.0 itself has no
-  ``exporters`` extra any more; so its export is reproduced rather than installed.
+  optimum's exporters cannot share an environment with the transformers (5.x) the rest of the
+  suite tests against (every optimum-onnx release, 0.0.1 .. 0.1.0, requires
+  ``transformers<4.58``), so this layout is reproduced here, with the model's parameters at hand
+  for the import tests; files made by optimum-cli itself (0.1.0, in its own environment) are
+  kept in ``tests/onnx/optimum/`` and run by ``test_optimum.py``.
 
 With ``with_past`` the graph takes ``past_key_values.{l}.key/value`` ([batch, kv_heads, past,
 head_dim]) and an attention mask, and returns ``present.*`` beside the logits, as
