@@ -117,7 +117,7 @@ def expected_distinct_experts(n_experts: int, top_k: int, tokens: int) -> float:
 
 def moe_work(tokens: int, spec: ModelSpec, fractions: tuple | None = None) -> Work:
     """An MoE layer: flops = 2 * tokens * active params; bytes = shared weights + the expected
-    number of distinct experts the batch touches * expert bytes, where expert e with routing
+    number of distinct experts the batch touches * expert bytes (``expert_read_bytes``), where expert e with routing
     fraction f_e is touched with probability 1 - (1 - f_e)^tokens (uniform f = k / n gives
     n * (1 - (1 - k/n)^tokens), ``expected_distinct_experts``)."""
     act = activation_bytes_per_elem(spec)
@@ -126,9 +126,9 @@ def moe_work(tokens: int, spec: ModelSpec, fractions: tuple | None = None) -> Wo
         distinct = expected_distinct_experts(spec.n_experts, spec.experts_per_token, tokens)
     else:
         distinct = sum(1.0 - (1.0 - min(f, 1.0)) ** tokens for f in fractions)
-    params_read = spec.moe_shared_params() + distinct * spec.expert_params()
+    weights = spec.moe_shared_params() * spec.weight_bytes_per_param + distinct * spec.expert_read_bytes()
     return Work(flops=2.0 * tokens * spec.mlp_active_params(l),
-                bytes=params_read * spec.weight_bytes_per_param + 2.0 * tokens * spec.hidden * act,
+                bytes=weights + 2.0 * tokens * spec.hidden * act,
                 op="moe", tokens=tokens)
 
 

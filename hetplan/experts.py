@@ -21,7 +21,7 @@ Per expert ``j`` (routing fraction ``f_j`` = share of tokens that choose it, sum
 
     flops_j = 2 T f_j P_e            (P_e = params of one expert)
     hit_j   = 1 - (1 - f_j)^T        (probability the batch touches expert j at all)
-    wbytes_j = hit_j W_e             (W_e = bytes of one expert's weights)
+    wbytes_j = hit_j W_e             (W_e = bytes of one expert's weights as held: ``ModelSpec.expert_read_bytes``)
     rows_j  = T f_j D a              (the pair rows of expert j: hidden D, activation bytes a)
 
 Expected work per task (the FLOPs and bytes a task records):
@@ -207,7 +207,7 @@ def expert_layer(spec: ModelSpec, hw: HardwareSpec, tokens: int, fractions: tupl
     wb, a, d = spec.weight_bytes_per_param, cost.activation_bytes_per_elem(spec), spec.hidden
     ranked = tuple(sorted(range(len(fractions)), key=lambda e: (-fractions[e], e)))
     f = tuple(float(fractions[e]) for e in ranked)
-    p_e = spec.expert_params()
+    p_e, w_e = spec.expert_params(), spec.expert_read_bytes()
     rates = rooflines(spec, hw)
     shared_params = spec.n_shared_experts * p_e
     return ExpertLayer(
@@ -215,14 +215,14 @@ def expert_layer(spec: ModelSpec, hw: HardwareSpec, tokens: int, fractions: tupl
         dense_bytes=spec.block_weight_bytes("moe", spec.first_dense_layers) - spec.n_experts * spec.expert_bytes(),
         tokens=tokens,
         flops=tuple(2.0 * tokens * x * p_e for x in f),
-        wbytes=tuple((1.0 - (1.0 - min(x, 1.0)) ** tokens) * p_e * wb for x in f),
+        wbytes=tuple((1.0 - (1.0 - min(x, 1.0)) ** tokens) * w_e for x in f),
         rows=tuple(tokens * x * d * a for x in f),
         route_flops=2.0 * tokens * d * spec.n_experts,
         route_bytes=(d * spec.n_experts + d) * wb + 2.0 * tokens * d * a,
         shared_flops=2.0 * tokens * shared_params,
         shared_bytes=shared_params * wb + 2.0 * tokens * d * a,
         act_bytes=tokens * d * a,
-        expert_read_bytes=p_e * wb, pair_flops=2.0 * p_e, row_bytes=d * a,
+        expert_read_bytes=w_e, pair_flops=2.0 * p_e, row_bytes=d * a,
         gpu=rates["gpu"], cpu=rates["cpu"], d2h=rates["d2h"], h2d=rates["h2d"])
 
 

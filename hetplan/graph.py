@@ -146,7 +146,8 @@ def held_rates(spec: ModelSpec, blocks: list) -> dict:
     """Bytes per parameter each dense block is held in when a file prices it tensor by tensor
     (``ModelSpec.block_bytes``: a GGUF file's mixed types), so that its stages read the bytes
     that are there: block bytes / block parameters, for attention, dense MLP and head blocks
-    (an MoE block's stages keep ``weight_bytes_per_param``). Empty for every other spec."""
+    (an MoE block's routed experts are read at ``ModelSpec.expert_read_bytes``, the rest of it
+    at ``weight_bytes_per_param``). Empty for every other spec."""
     if not spec.block_bytes:
         return {}
     params = {"attn": lambda b: spec.attn_params(), "mlp": lambda b: spec.mlp_params(b.layer),

@@ -220,6 +220,14 @@ class ModelSpec:
             return self.expert_params() * self.weight_bytes_per_param
         return sum(packed_bytes(self.weight_dtype, r, c) for r, c in self.linear_shapes("moe")[-3:])
 
+    def expert_read_bytes(self) -> float:
+        """Bytes a stage reads to compute with one routed expert: its held bytes when a file
+        prices it tensor by tensor (``block_bytes["expert"]``, a GGUF file's mixed types: the
+        largest layer's), else its parameters at ``weight_bytes_per_param``."""
+        if "expert" in self.block_bytes:
+            return float(self.block_bytes["expert"])
+        return self.expert_params() * self.weight_bytes_per_param
+
     def embed_params(self) -> int:
         p = self.vocab * self.hidden
         if self.pos == "learned":

@@ -244,3 +244,26 @@ def test_deepseek2_yarn_scaling_reads_back_what_the_converter_wrote(tmp_path):
     scaling = load_model(str(path)).rope_scaling
     assert scaling == {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                        "mscale": pytest.approx(1.0), "mscale_all_dim": pytest.approx(1.0)}
+
+
+def test_moe_stages_read_each_expert_at_its_held_bytes(tmp_path, node):
+    """At batch 1 under uniform routing each of the 4 experts is touched with probability 1/2:
+    the decode step's expert task reads 2 experts at their held bytes (two q4_k_m matrices and
+    one q8_0, not the plan dtype's bytes per parameter), plus the hidden state in and out
+    (2 d a, no shared experts) and each expert's rows there and back (2 x 4 x d a / 2)."""
+    path = tmp_path / "m.gguf"
+    dims = Dims()
+    write_model(path, "qwen3moe", MIXED, dims=dims)
+    plan, _ = compile_plan(CompileRequest(model=str(path), hw=node, strategy="all-gpu", prompt_len=8, gen_len=4))
+    spec = plan.model
+
+    def matrix(kind, rows, cols):
+        values, size = HELD[kind]
+        return -(-rows * (cols // values) * size // 16) * 16
+
+    d, i, a = dims.hidden, dims.expert_ffn, 2           # fp16 activations
+    expert = 2 * matrix("Q4_K", i, d) + matrix("Q6_K", d, i)
+    tasks = [t for t in plan.schedule["decode"].tasks if t.block == "moe_1" and t.kind == "moe_experts"]
+    assert len(tasks) == 1
+    assert tasks[0].bytes == pytest.approx(2 * expert + 2 * d * a + 4 * d * a, rel=1e-9)
+    assert expert != spec.expert_params() * spec.weight_bytes_per_param
