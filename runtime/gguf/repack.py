@@ -9,10 +9,11 @@ linear weight is ``cols / block`` blocks back to back), and returns torch tensor
   scales and the values, unchanged; Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit
   scales sc_j and mins m_j, 128 bytes of nibbles: sub-blocks 2p and 2p + 1 in the low and high
   nibbles of bytes 32p..32p + 31) become q4_k_m's fp32 dmin, fp16 d * sc_j, uint8 m_j and the
-  nibbles repacked in element order; Q6_K is decoded and requantised to q8_0.
+  nibbles repacked in element order; Q6_K, Q5_K and Q5_0 are decoded and requantised to q8_0.
 - ``dequantise(type, data, cols)``: the values, fp32 ``[rows, cols]``: Q8_0 d q; Q4_0
   d (q - 8); Q4_K (d sc_j) q - (dmin m_j); Q6_K (d sc_k)(q - 32), q the 6-bit value of 4 low bits
-  (ql) and 2 high bits (qh); F16/BF16/F32 as stored.
+  (ql) and 2 high bits (qh); Q5_K (d sc_j)(q + 16 h) - dmin m_j; Q5_0 d (q + 16 h - 16), h the
+  fifth bit (qh); F16/BF16/F32 as stored.
 
 Knows nothing about files, names or models.
 """
@@ -23,8 +24,11 @@ import torch
 
 from hetplan.runtime.kernels import quant
 
-BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22),
+         "Q5_K": (256, 176)}
 """ggml type -> (values, bytes) per block."""
+REQUANTISED = ("Q6_K", "Q5_K", "Q5_0")
+"""Types decoded and requantised to q8_0 (``hetplan.frontends.gguf.held.FORMATS``)."""
 FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -37,17 +41,52 @@ def _nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return b & 15, b >> 4
 
 
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes of 6-bit scales and mins of a Q4_K / Q5_K super-block -> (sc, m), each [..., 8]."""
+    lo, hi, mix = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat((lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)), dim=-1)
+    m = torch.cat((hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)), dim=-1)
+    return sc, m
+
+
 def _q4k_fields(data: torch.Tensor, cols: int):
     """Q4_K rows -> (d [R, s], dmin [R, s], sc [R, s, 8], m [R, s, 8], q [R, s, 8, 32])."""
     rows = data.shape[0]
     b = data.reshape(rows, cols // 256, 144)
-    d, dmin, scales, qs = _fp16(b[..., 0:2]), _fp16(b[..., 2:4]), b[..., 4:16], b[..., 16:]
-    lo, hi, mix = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
-    sc = torch.cat((lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)), dim=-1)
-    m = torch.cat((hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)), dim=-1)
+    d, dmin, qs = _fp16(b[..., 0:2]), _fp16(b[..., 2:4]), b[..., 16:]
+    sc, m = _k_scales(b[..., 4:16])
     low, high = _nibbles(qs.reshape(rows, -1, 4, 32))
     q = torch.stack((low, high), dim=-2).reshape(rows, -1, 8, 32)       # sub-block 2p low, 2p + 1 high
     return d, dmin, sc, m, q
+
+
+def _q5k_values(data: torch.Tensor, cols: int) -> torch.Tensor:
+    """Q5_K rows -> fp32 [R, cols]: fp16 d, fp16 dmin, 12 bytes of scales and mins, 32 bytes qh,
+    128 bytes of low nibbles laid out as Q4_K's; value (d sc_j)(q + 16 h) - dmin m_j, where bit j
+    of qh[l] is the high bit h of element l of sub-block j."""
+    rows = data.shape[0]
+    b = data.reshape(rows * (cols // 256), 176)
+    n = b.shape[0]
+    d, dmin, qh = _fp16(b[:, 0:2]).float(), _fp16(b[:, 2:4]).float(), b[:, 16:48]
+    sc, m = _k_scales(b[:, 4:16])
+    low, high = _nibbles(b[:, 48:176].reshape(n, 4, 32))
+    q = torch.stack((low, high), dim=2).reshape(n, 8, 32).to(torch.int16)
+    bits = torch.stack([(qh >> j) & 1 for j in range(8)], dim=1).to(torch.int16)     # [n, 8, 32]
+    q = (q + 16 * bits).float()
+    value = (d[:, None] * sc.float())[..., None] * q - (dmin[:, None] * m.float())[..., None]
+    return value.reshape(rows, cols)
+
+
+def _q5_0_values(data: torch.Tensor, cols: int) -> torch.Tensor:
+    """Q5_0 rows -> fp32 [R, cols]: per 32 values fp16 d, 4 bytes qh (bit j: the high bit of
+    value j), 16 bytes of nibbles (values 0..15 low, 16..31 high); value d (q + 16 h - 16)."""
+    rows = data.shape[0]
+    b = data.reshape(rows, cols // 32, 22)
+    d = _fp16(b[..., 0:2]).float()
+    bits = ((b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(rows, -1, 32)
+    low, high = _nibbles(b[..., 6:22])
+    q = torch.cat((low, high), dim=-1).to(torch.int16) + 16 * bits.to(torch.int16) - 16
+    return (q.float() * d[..., None]).reshape(rows, cols)
 
 
 def _q6k_values(data: torch.Tensor, cols: int) -> torch.Tensor:
@@ -76,8 +115,8 @@ def to_runtime(kind: str, data: torch.Tensor, cols: int) -> tuple:
         pairs = q.reshape(rows, -1, 2)
         nibbles = pairs[..., 0] | (pairs[..., 1] << 4)
         return dmin.float().contiguous(), scales, m.reshape(rows, -1).contiguous(), nibbles.contiguous()
-    if kind == "Q6_K":
-        return quant.quantise_rows("q8_0", _q6k_values(data, cols))
+    if kind in REQUANTISED:
+        return quant.quantise_rows("q8_0", dequantise(kind, data, cols))
     raise ValueError(f"{kind} has no runtime format")
 
 
@@ -101,6 +140,10 @@ def dequantise(kind: str, data: torch.Tensor, cols: int) -> torch.Tensor:
         return (scale[..., None] * q.float() - low[..., None]).reshape(rows, cols)
     if kind == "Q6_K":
         return _q6k_values(data, cols)
+    if kind == "Q5_K":
+        return _q5k_values(data, cols)
+    if kind == "Q5_0":
+        return _q5_0_values(data, cols)
     raise ValueError(f"{kind} cannot be dequantised here")
 
 

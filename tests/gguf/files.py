@@ -2,8 +2,8 @@
 
 ``write_model(path, arch, types)`` writes a llama or qwen3moe model with random weights, each
 tensor in the type ``types`` gives it (by GGUF name suffix; default F32 for norms, Q8_0 for the
-rest). Q8_0 and Q4_0 come from ``gguf.quants.quantize``; gguf-py 0.19 has no quantiser for
-Q4_K and Q6_K, so those tensors are written as random valid blocks (``kquant_blocks``: every
+rest). Q8_0, Q4_0 and Q5_0 come from ``gguf.quants.quantize``; gguf-py 0.19 has no quantiser for
+Q4_K, Q5_K and Q6_K, so those tensors are written as random valid blocks (``kquant_blocks``: every
 byte pattern of the packed fields is a valid block; only the fp16 super-block scales are chosen,
 to keep values near the spread of a fresh model), and read back through ``gguf.quants.dequantize``.
 """
@@ -19,7 +19,7 @@ from gguf import GGUFWriter
 from gguf.quants import quantize
 
 TYPES = {"F32": T.F32, "F16": T.F16, "BF16": T.BF16, "Q8_0": T.Q8_0, "Q4_0": T.Q4_0, "Q4_K": T.Q4_K,
-         "Q6_K": T.Q6_K, "Q5_K": T.Q5_K}
+         "Q6_K": T.Q6_K, "Q5_K": T.Q5_K, "Q5_0": T.Q5_0, "Q2_K": T.Q2_K}
 
 
 @dataclass(frozen=True)
@@ -38,17 +38,19 @@ class Dims:
 
 
 def kquant_blocks(kind: str, n_blocks: int, rng: np.random.Generator, spread: float = 0.05) -> np.ndarray:
-    """``n_blocks`` random Q4_K (144 B) or Q6_K (210 B) super-blocks as uint8 [n_blocks, size],
-    with values within about +-spread.
+    """``n_blocks`` random Q4_K (144 B), Q5_K (176 B) or Q6_K (210 B) super-blocks as uint8
+    [n_blocks, size], with values within about +-spread.
 
     Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles; value
-    d * sc * q - dmin * m, so d = spread / (63 * 15) and dmin = spread / 63 bound it.
+    d * sc * q - dmin * m, so d = spread / (63 * 15) and dmin = spread / 63 bound it. Q5_K: the
+    same with 32 bytes of fifth bits before the nibbles, q <= 31, d = spread / (63 * 31).
     Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, fp16 d; value d * sc * (q - 32),
     so d = spread / (128 * 32) bounds it."""
-    if kind == "Q4_K":
-        d = (spread / (63 * 15) * rng.uniform(0.5, 1.0, n_blocks)).astype(np.float16)
+    if kind in ("Q4_K", "Q5_K"):   # Q5_K: the same fields, 32 bytes of high bits more, q <= 31
+        top = 15 if kind == "Q4_K" else 31
+        d = (spread / (63 * top) * rng.uniform(0.5, 1.0, n_blocks)).astype(np.float16)
         dmin = (spread / 63 * rng.uniform(0.5, 1.0, n_blocks)).astype(np.float16)
-        rest = rng.integers(0, 256, (n_blocks, 140), dtype=np.uint8)
+        rest = rng.integers(0, 256, (n_blocks, 140 if kind == "Q4_K" else 172), dtype=np.uint8)
         return np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), rest], axis=1)
     d = (spread / (128 * 32) * rng.uniform(0.5, 1.0, n_blocks)).astype(np.float16)
     bits = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
@@ -59,12 +61,12 @@ def kquant_blocks(kind: str, n_blocks: int, rng: np.random.Generator, spread: fl
 def encode(values: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, T]:
     """(data, type) for ``GGUFWriter.add_tensor`` of fp32 ``values`` [..., cols] in ``kind``: the
     values themselves (F32/F16/BF16, Q8_0/Q4_0 quantised), or random K-quant blocks of its shape."""
-    if kind in ("Q4_K", "Q6_K", "Q5_K"):
+    if kind in ("Q4_K", "Q6_K", "Q5_K", "Q2_K"):
         rows = int(np.prod(values.shape[:-1]))
         n = values.shape[-1] // 256
-        size = {"Q4_K": 144, "Q6_K": 210}[kind] if kind != "Q5_K" else 176
-        blocks = (kquant_blocks(kind, rows * n, rng) if kind != "Q5_K"
-                  else rng.integers(0, 256, (rows * n, size), dtype=np.uint8))
+        size = {"Q4_K": 144, "Q6_K": 210, "Q5_K": 176, "Q2_K": 84}[kind]
+        blocks = (kquant_blocks(kind, rows * n, rng) if kind != "Q2_K"
+                  else rng.integers(0, 256, (rows * n, size), dtype=np.uint8))   # never decoded
         return blocks.reshape(*values.shape[:-1], n * size), TYPES[kind]
     if kind == "BF16":
         return quantize(values, T.BF16), T.BF16

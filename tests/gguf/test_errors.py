@@ -30,7 +30,7 @@ def unknown_arch(path):
 
 
 def unsupported_type(path):
-    write_model(path, "llama", {"blk.1.ffn_up.weight": "Q5_K"})
+    write_model(path, "llama", {"blk.1.ffn_up.weight": "Q2_K"})
 
 
 def corrupt_type_id(path):
@@ -54,7 +54,7 @@ CASES = [
     ("truncated", truncated, "truncated"),
     ("wrong-magic", wrong_magic, "not a GGUF file"),
     ("unknown-arch", unknown_arch, "'mamba'"),
-    ("unsupported-type", unsupported_type, "blk.1.ffn_up.weight' is Q5_K"),
+    ("unsupported-type", unsupported_type, "blk.1.ffn_up.weight' is Q2_K"),
     ("corrupt-type-id", corrupt_type_id, "unknown ggml type"),
     ("shape-disagrees", shape_disagrees, "blk.1.attn_k.weight"),
     ("missing", not_a_file, "no such file"),

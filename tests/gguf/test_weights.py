@@ -9,7 +9,7 @@ gguf's own dequantised values:
   by |fp16(s) - s| q <= 2^-11 |s q| (normal) or 2^-25 q (subnormal s), plus fp32 rounding of the
   two products (2^-22 of their magnitudes). s q is gguf's dequantisation of the block with
   dmin set to 0.
-- Q6_K -> q8_0 requantises each block of 32 values x with d = max|x| / 127 stored as fp16:
+- Q6_K, Q5_K, Q5_0 -> q8_0 requantises each block of 32 values x with d = max|x| / 127 stored as fp16:
   |fp16(d) q - x| <= d / 2 + 127 |fp16(d) - d| (+ fp32 rounding).
 - The token embedding of a quantised plan is an fp16 table: 2^-11 |x| (2^-25 below fp16's
   normal range).
@@ -36,7 +36,7 @@ from hetplan.runtime.weights import torch_dtype, weight_source
 from tests.gguf.files import write_model
 from tests.tiny_models import TINY_GPU_NODE
 
-KINDS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16", "BF16", "F32")
+KINDS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "Q5_0", "F16", "BF16", "F32")
 
 HF = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
       "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -81,7 +81,7 @@ def oracle(reader: GGUFReader, hf: str, spec) -> tuple[np.ndarray, np.ndarray]:
         no_min[:, 2:4] = 0                                    # dmin = 0: the scale part s q alone
         sq = np.abs(dequantize(no_min, t.tensor_type)).reshape(x.shape)
         bound = 2.0 ** -11 * sq + 15 * 2.0 ** -25 + 2.0 ** -22 * (sq + np.abs(sq - x))
-    elif kind == "Q6_K":
+    elif kind in ("Q6_K", "Q5_K", "Q5_0"):
         blocks = np.abs(x.reshape(-1, 32))
         d = blocks.max(axis=1, keepdims=True) / 127
         per = d / 2 + 127 * np.abs(d.astype(np.float16).astype(np.float32) - d) + 2.0 ** -20 * blocks.max(axis=1, keepdims=True)

@@ -9,8 +9,8 @@ planned are the bytes held):
     Q4_K             q4_k_m: per 32 values an fp16 scale        scales d * sc_j rounded to fp16
                      d * sc_j, the 6-bit min index m_j, the     (|error| <= 15 * |fp16(d sc_j) -
                      super-block's fp32 dmin, the same nibbles  d sc_j|); mins exact
-    Q6_K             q8_0, requantised from the 6-bit values    |error| <= d8 / 2 + 127 |fp16(d8) - d8|
-                                                                per block of 32 (d8 = max|x| / 127)
+    Q6_K, Q5_K,      q8_0, requantised from the decoded values  |error| <= d8 / 2 + 127 |fp16(d8) - d8|
+    Q5_0                                                        per block of 32 (d8 = max|x| / 127)
     F32, F16, BF16   unquantised, in the compute dtype          exact (fp32 on the CPU)
     attn_k_b/_v_b    (MLA's kv_b split) joined into kv_b, decoded exact
 
@@ -36,7 +36,7 @@ from hetplan.frontends.gguf.families import block_of
 from hetplan.frontends.gguf.header import GgufHeader, GgufTensor
 from hetplan.model import ModelSpec
 
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k_m", "Q6_K": "q8_0"}
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k_m", "Q6_K": "q8_0", "Q5_K": "q8_0", "Q5_0": "q8_0"}
 """Quantised file type -> the runtime format its linears are held in."""
 FLOATS = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 """Unquantised file types -> plan dtype."""
