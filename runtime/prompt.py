@@ -26,7 +26,11 @@ def parse_prompt_ids(text: str) -> tuple:
 
 
 def load_tokenizer(source):
-    """The tokenizer beside a checkpoint (transformers' AutoTokenizer), or None."""
+    """The tokenizer inside the weights file (a GGUF's) or beside a checkpoint (transformers'
+    AutoTokenizer), or None."""
+    own = getattr(source, "tokenizer", None)
+    if own is not None:
+        return own()
     directory = source.tokenizer_dir()
     if directory is None:
         return None
@@ -44,8 +48,8 @@ def resolve_prompt(opts, source, spec, wl) -> tuple[torch.Tensor, object]:
     tokenizer = load_tokenizer(source)
     if opts.prompt is not None:
         if tokenizer is None:
-            raise HetplanError("--prompt: no tokenizer beside the weights (tokenizer.json); pass "
-                               "--prompt-ids instead")
+            raise HetplanError("--prompt: no tokenizer beside the weights (tokenizer.json) or in the GGUF "
+                               "file (tokenizer.ggml.*); pass --prompt-ids instead")
         seqs = (tuple(tokenizer(opts.prompt)["input_ids"]),)
     elif opts.prompt_ids is not None:
         seqs = tuple(tuple(s) for s in opts.prompt_ids)

@@ -181,3 +181,19 @@ class GgufWeights:
 
     def tokenizer_dir(self) -> None:
         return None
+
+    def tokenizer(self):
+        """The file's own tokenizer (``tokenizer.ggml.*``) through transformers' GGUF loading, or
+        None when the file has none."""
+        if not self.header.tokenizer:
+            return None
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            return None
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except Exception as e:   # transformers' converters raise anything on a tokenizer they cannot build
+            raise HetplanError(f"--weights {self.path}: transformers cannot build the file's tokenizer "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass "
+                               f"--prompt-ids instead of --prompt") from None

@@ -96,11 +96,13 @@ def layer_tensors(arch: str, dims: Dims, moe: bool = False) -> dict:
 
 def write_model(path, arch: str = "llama", types: dict | None = None, dims: Dims = Dims(), seed: int = 0,
                 tied: bool = False, name: str = "tiny", shapes: dict | None = None, moe: bool = False,
-                rope_freqs=None, rope_freqs_type=T.F32) -> None:
+                rope_freqs=None, rope_freqs_type=T.F32, tokenizer: bool = False) -> None:
     """A random ``arch`` (llama or qwen3moe) model at ``path``; ``types``: GGUF tensor name or
     suffix (``attn_v.weight``, ``token_embd.weight``, ``blk.1.ffn_down.weight``) -> type name;
     ``shapes``: tensor name -> a shape written instead of the one the metadata implies;
-    ``rope_freqs``: values of a ``rope_freqs.weight`` tensor (in ``rope_freqs_type``)."""
+    ``rope_freqs``: values of a ``rope_freqs.weight`` tensor (in ``rope_freqs_type``);
+    ``tokenizer``: a byte-level BPE tokenizer with no merges (``byte_tokens``), as Llama 3's
+    files carry theirs (``tokenizer.ggml.model = gpt2``): token i is byte i."""
     types = types or {}
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch)
@@ -131,6 +133,15 @@ def write_model(path, arch: str = "llama", types: dict | None = None, dims: Dims
     for l in range(dims.layers):
         names.update({f"blk.{l}.{k}": v for k, v in layer_tensors(arch, dims, moe).items()})
     names.update(shapes or {})
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_list(byte_tokens())
+        w.add_token_types([1] * 256)
+        w.add_token_scores([0.0] * 256)
+        w.add_token_merges([])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float16 if rope_freqs_type == T.F16
                                                      else np.float32), raw_dtype=rope_freqs_type)
@@ -145,6 +156,14 @@ def write_model(path, arch: str = "llama", types: dict | None = None, dims: Dims
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def byte_tokens() -> list:
+    """GPT-2's byte-level alphabet (bytes_to_unicode, as its paper's encoder defines it): printable
+    bytes stand for themselves, the other 68 map to U+0100 onwards, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    extra = iter(range(256, 256 + 256 - len(keep)))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
 def llama31_8b_q4_k_m_types(layers: int = 32) -> dict:

@@ -45,6 +45,8 @@ class GgufHeader:
     vocabulary) are left out."""
     tensors: dict
     """name -> GgufTensor, in file order."""
+    tokenizer: bool = False
+    """Whether the file carries a tokenizer (``tokenizer.ggml.tokens``)."""
 
     def get(self, key: str, default=...):
         """Metadata ``key``, or ``default``; a missing key without a default is an error naming it."""
@@ -117,7 +119,7 @@ def read_header(path: str | Path) -> GgufHeader:
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise HetplanError(f"{p}: missing metadata key 'general.architecture'; not a model file")
-    return GgufHeader(str(p), arch, metadata, tensors)
+    return GgufHeader(str(p), arch, metadata, tensors, "tokenizer.ggml.tokens" in reader.fields)
 
 
 def read_f32(h: GgufHeader, name: str, count: int) -> list[float]:
