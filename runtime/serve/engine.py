@@ -1,0 +1,161 @@
+"""The serving engine: a pool, a scheduler and a model, stepped until no request is left.
+
+``submit`` checks a request against the engine's limits (its context, the queue's capacity)
+and queues it; ``step`` runs one scheduler step: a forward over the scheduled segments, one
+sampled token for each request whose context was computed to its end, and finishing (max
+tokens, a stop string, the end-of-sequence token) which frees its blocks at once. ``cancel``
+frees a request wherever it is. ``start`` runs steps on a thread of its own; every call is
+made under one lock, so HTTP handlers may submit and cancel from any thread. Counters and
+latencies feed ``/metrics``. Knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hetplan.errors import HetplanError
+from hetplan.runtime.serve.blocks import blocks_for
+from hetplan.runtime.serve.sampling import SamplingParams, cut_at_stop, next_token
+from hetplan.runtime.serve.scheduler import PRIORITIES, Request, Scheduler
+
+
+class QueueFull(HetplanError):
+    """More requests waiting than the queue holds (HTTP 429)."""
+
+
+class TooLong(HetplanError):
+    """A prompt (with its max_tokens) beyond the context the engine serves (HTTP 413)."""
+
+
+@dataclass
+class Stats:
+    completed: int = 0
+    cancelled: int = 0
+    tokens: int = 0
+    ttft_s: list = field(default_factory=list)
+    tpot_s: list = field(default_factory=list)
+    started_s: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    def __init__(self, model, pool, settings, detokenize=None, eos_id: int | None = None):
+        self.model, self.pool, self.settings = model, pool, settings
+        self.scheduler = Scheduler(pool, settings.max_batch, settings.prefill_chunk, settings.step_tokens)
+        self.detokenize = detokenize or (lambda ids: "".join(f" {i}" for i in ids))
+        self.eos_id = eos_id
+        self.requests: dict = {}
+        self.stats = Stats()
+        self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)
+        self._thread = None
+        self._stop = False
+        self._ids = 0
+
+    # -- requests ------------------------------------------------------------------------
+    def submit(self, prompt: list, params: SamplingParams, priority: str = "interactive", on_token=None,
+               rid: str | None = None) -> Request:
+        s = self.settings
+        if not prompt:
+            raise HetplanError("prompt: empty; give at least one token")
+        if priority not in PRIORITIES:
+            raise HetplanError(f"priority {priority!r}: one of {', '.join(PRIORITIES)}")
+        bad = [t for t in prompt if not 0 <= t < self.model.spec.vocab]
+        if bad:
+            raise HetplanError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.model.spec.vocab - 1})")
+        need = len(prompt) + params.max_tokens
+        if need > s.max_context:
+            raise TooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {need} tokens, "
+                          f"beyond the {s.max_context}-token context this server holds; shorten the prompt or "
+                          f"lower max_tokens")
+        if blocks_for(need, s.block_tokens) > s.gpu_blocks:
+            raise TooLong(f"{need} tokens need {blocks_for(need, s.block_tokens)} KV blocks, the GPU tier has "
+                          f"{s.gpu_blocks}; shorten the prompt or lower max_tokens")
+        with self.lock:
+            if len(self.scheduler.waiting) >= s.max_waiting:
+                raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting (queue capacity "
+                                f"{s.max_waiting}); retry later")
+            self._ids += 1
+            req = Request(rid or f"req-{self._ids}", list(prompt), params, priority, on_token=on_token,
+                          generator=params.generator(), arrived_s=time.perf_counter())
+            self.requests[req.rid] = req
+            self.scheduler.add(req)
+            self._wake.notify()
+        return req
+
+    def cancel(self, rid: str) -> None:
+        with self.lock:
+            req = self.requests.pop(rid, None)
+            if req is not None and req.state != "finished":
+                self.scheduler.remove(req)
+                req.finish_reason = "cancelled"
+                self.stats.cancelled += 1
+
+    # -- steps ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One step; False when no request is left."""
+        with self.lock:
+            plan = self.scheduler.schedule()
+            if not plan:
+                return not self.scheduler.idle()
+            segments = [(r.rid, r.context[r.computed:r.computed + n], r.computed) for r, n in plan]
+            with torch.inference_mode():
+                logits = self.model.forward(self.pool, segments)
+            now = time.perf_counter()
+            for (req, n), row in zip(plan, logits):
+                req.computed += n
+                if req.pending == 0:
+                    self._sampled(req, next_token(row, req.params, req.generator), now)
+            return not self.scheduler.idle()
+
+    def _sampled(self, req: Request, token: int, now: float) -> None:
+        req.generated.append(token)
+        self.stats.tokens += 1
+        if req.first_token_s is None:
+            req.first_token_s = now
+            self.stats.ttft_s.append(now - req.arrived_s)
+        else:
+            self.stats.tpot_s.append(now - req.last_token_s)
+        req.last_token_s = now
+        if self.eos_id is not None and token == self.eos_id:
+            req.finish_reason = "stop"
+        elif req.params.stop and cut_at_stop(self.detokenize(req.generated), req.params.stop)[1]:
+            req.finish_reason = "stop"
+        elif len(req.generated) >= req.params.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason:
+            self.scheduler.remove(req)
+            self.requests.pop(req.rid, None)
+            self.stats.completed += 1
+        if req.on_token:
+            req.on_token(req)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise HetplanError(f"the engine did not finish its requests in {max_steps} steps")
+
+    # -- the stepping thread -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="hetplan-serve-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stop and self.scheduler.idle():
+                    self._wake.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
