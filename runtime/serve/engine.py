@@ -6,7 +6,8 @@ sampled token for each request whose context was computed to its end, and finish
 tokens, a stop string, the end-of-sequence token) which frees its blocks at once. ``cancel``
 frees a request wherever it is. ``start`` runs steps on a thread of its own; every call is
 made under one lock, so HTTP handlers may submit and cancel from any thread. Counters and
-latencies feed ``/metrics``. Knows nothing about HTTP.
+latencies feed ``/metrics``. Without a tokenizer, generated text is each id as `` <id>``.
+Knows nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -132,6 +133,11 @@ class Engine:
             self.stats.completed += 1
         if req.on_token:
             req.on_token(req)
+
+    def text(self, req: Request) -> str:
+        """The request's generated text, ended before its first stop string."""
+        text = self.detokenize(req.generated)
+        return cut_at_stop(text, req.params.stop)[0] if req.params.stop else text
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
