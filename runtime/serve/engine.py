@@ -20,6 +20,7 @@ import torch
 
 from hetplan.errors import HetplanError
 from hetplan.runtime.serve.blocks import blocks_for
+from hetplan.runtime.serve.metrics import TPOT_BUCKETS_S, TTFT_BUCKETS_S, Histogram, TokenRate
 from hetplan.runtime.serve.sampling import SamplingParams, cut_at_stop, next_token
 from hetplan.runtime.serve.scheduler import PRIORITIES, Request, Scheduler
 
@@ -37,9 +38,9 @@ class Stats:
     completed: int = 0
     cancelled: int = 0
     tokens: int = 0
-    ttft_s: list = field(default_factory=list)
-    tpot_s: list = field(default_factory=list)
-    started_s: float = field(default_factory=time.perf_counter)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS_S))
+    rate: TokenRate = field(default_factory=TokenRate)
 
 
 class Engine:
@@ -115,11 +116,12 @@ class Engine:
     def _sampled(self, req: Request, token: int, now: float) -> None:
         req.generated.append(token)
         self.stats.tokens += 1
+        self.stats.rate.add(now)
         if req.first_token_s is None:
             req.first_token_s = now
-            self.stats.ttft_s.append(now - req.arrived_s)
+            self.stats.ttft.observe(now - req.arrived_s)
         else:
-            self.stats.tpot_s.append(now - req.last_token_s)
+            self.stats.tpot.observe(now - req.last_token_s)
         req.last_token_s = now
         if self.eos_id is not None and token == self.eos_id:
             req.finish_reason = "stop"
@@ -147,6 +149,7 @@ class Engine:
 
     # -- the stepping thread -------------------------------------------------------------
     def start(self) -> None:
+        self._stop = False
         self._thread = threading.Thread(target=self._loop, name="hetplan-serve-engine", daemon=True)
         self._thread.start()
 

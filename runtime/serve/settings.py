@@ -71,4 +71,7 @@ def settings_for(plan, **given) -> ServeSettings:
     base = ServeSettings(block_tokens=bt, gpu_blocks=gpu, cpu_blocks=given.get("cpu_blocks", gpu),
                          max_batch=batch, max_context=given.get("max_context", wl.context_len),
                          prefill_chunk=chunk, step_tokens=given.get("step_tokens", chunk + batch))
+    if base.max_context > spec.max_positions:
+        raise HetplanError(f"--max-context {base.max_context}: model {spec.name!r} has {spec.max_positions} "
+                           f"positions; pass at most that")
     return replace(base, **{k: v for k, v in given.items() if k == "max_waiting"})
