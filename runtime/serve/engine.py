@@ -4,8 +4,10 @@
 and queues it; ``step`` runs one scheduler step: a forward over the scheduled segments, one
 sampled token for each request whose context was computed to its end, and finishing (max
 tokens, a stop string, the end-of-sequence token) which frees its blocks at once. ``cancel``
-frees a request wherever it is. ``start`` runs steps on a thread of its own; every call is
-made under one lock, so HTTP handlers may submit and cancel from any thread. Counters and
+frees a request wherever it is. ``start`` runs steps on a thread of its own; ``submit`` and
+``cancel`` may be called from any thread: they hand the request (or its id) over under a small
+lock, and the stepping thread takes them at the start of its next step, so a handler never waits
+for a forward pass. Counters and
 latencies feed ``/metrics``. Without a tokenizer, generated text is each id as `` <id>``.
 Knows nothing about HTTP.
 """
@@ -51,8 +53,12 @@ class Engine:
         self.eos_id = eos_id
         self.requests: dict = {}
         self.stats = Stats()
-        self.lock = threading.Lock()
-        self._wake = threading.Condition(self.lock)
+        self._mail = threading.Lock()      # guards what other threads hand the stepping thread
+        self._wake = threading.Condition(self._mail)
+        self._arrived: list = []
+        self._cancelled: set = set()
+        self.waiting = 0
+        """Requests queued (waiting in the scheduler, or handed over and not yet seen by it)."""
         self._thread = None
         self._stop = False
         self._ids = 0
@@ -76,20 +82,38 @@ class Engine:
         if blocks_for(need, s.block_tokens) > s.gpu_blocks:
             raise TooLong(f"{need} tokens need {blocks_for(need, s.block_tokens)} KV blocks, the GPU tier has "
                           f"{s.gpu_blocks}; shorten the prompt or lower max_tokens")
-        with self.lock:
-            if len(self.scheduler.waiting) >= s.max_waiting:
-                raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting (queue capacity "
+        with self._mail:
+            if self.waiting >= s.max_waiting:
+                raise QueueFull(f"{self.waiting} requests are already waiting (queue capacity "
                                 f"{s.max_waiting}); retry later")
             self._ids += 1
             req = Request(rid or f"req-{self._ids}", list(prompt), params, priority, on_token=on_token,
                           generator=params.generator(), arrived_s=time.perf_counter())
-            self.requests[req.rid] = req
-            self.scheduler.add(req)
+            self._arrived.append(req)
+            self.waiting += 1
             self._wake.notify()
         return req
 
+    def room_after(self, prompt_tokens: int) -> int:
+        """Tokens a request with this prompt may generate at most: what is left of the context and
+        of the GPU tier's positions (at least 1, so that a prompt too long is refused as such)."""
+        s = self.settings
+        return max(1, min(s.max_context, s.gpu_blocks * s.block_tokens) - prompt_tokens)
+
     def cancel(self, rid: str) -> None:
-        with self.lock:
+        """Cancel ``rid`` at the start of the next step (nothing if it has finished)."""
+        with self._mail:
+            self._cancelled.add(rid)
+            self._wake.notify()
+
+    def _take_mail(self) -> None:
+        with self._mail:
+            arrived, cancelled = self._arrived, self._cancelled
+            self._arrived, self._cancelled = [], set()
+        for req in arrived:
+            self.requests[req.rid] = req
+            self.scheduler.add(req)
+        for rid in cancelled:
             req = self.requests.pop(rid, None)
             if req is not None and req.state != "finished":
                 self.scheduler.remove(req)
@@ -98,20 +122,22 @@ class Engine:
 
     # -- steps ---------------------------------------------------------------------------
     def step(self) -> bool:
-        """One step; False when no request is left."""
-        with self.lock:
-            plan = self.scheduler.schedule()
-            if not plan:
-                return not self.scheduler.idle()
-            segments = [(r.rid, r.context[r.computed:r.computed + n], r.computed) for r, n in plan]
-            with torch.inference_mode():
-                logits = self.model.forward(self.pool, segments)
-            now = time.perf_counter()
-            for (req, n), row in zip(plan, logits):
-                req.computed += n
-                if req.pending == 0:
-                    self._sampled(req, next_token(row, req.params, req.generator), now)
+        """One step (on one thread only); False when no request is left."""
+        self._take_mail()
+        plan = self.scheduler.schedule()
+        with self._mail:
+            self.waiting = len(self.scheduler.waiting) + len(self._arrived)
+        if not plan:
             return not self.scheduler.idle()
+        segments = [(r.rid, r.context[r.computed:r.computed + n], r.computed) for r, n in plan]
+        with torch.inference_mode():
+            logits = self.model.forward(self.pool, segments)
+        now = time.perf_counter()
+        for (req, n), row in zip(plan, logits):
+            req.computed += n
+            if req.pending == 0:
+                self._sampled(req, next_token(row, req.params, req.generator), now)
+        return not self.scheduler.idle()
 
     def _sampled(self, req: Request, token: int, now: float) -> None:
         req.generated.append(token)
@@ -155,15 +181,15 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self.lock:
-                while not self._stop and self.scheduler.idle():
+            with self._mail:
+                while not self._stop and self.scheduler.idle() and not self._arrived and not self._cancelled:
                     self._wake.wait()
                 if self._stop:
                     return
             self.step()
 
     def stop(self) -> None:
-        with self.lock:
+        with self._mail:
             self._stop = True
             self._wake.notify()
         if self._thread is not None:

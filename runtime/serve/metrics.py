@@ -59,23 +59,23 @@ class TokenRate:
 
 
 def render(engine) -> str:
-    """The Prometheus text exposition of ``engine``'s state and counters."""
+    """The Prometheus text exposition of ``engine``'s state and counters, read while the engine
+    steps on (each number is read once; they may be a step apart)."""
     s, sched, alloc = engine.stats, engine.scheduler, engine.pool.alloc
-    with engine.lock:
-        gauges = {"hetplan_requests_running": len(sched.running), "hetplan_requests_waiting": len(sched.waiting),
-                  "hetplan_requests_swapped": len(sched.swapped), "hetplan_tokens_per_second": s.rate.per_s()}
-        counters = {"hetplan_requests_completed_total": s.completed, "hetplan_requests_cancelled_total": s.cancelled,
-                    "hetplan_generated_tokens_total": s.tokens, "hetplan_swaps_out_total": sched.swaps_out,
-                    "hetplan_swaps_in_total": sched.swaps_in, "hetplan_recomputes_total": sched.recomputes}
-        used = {t: alloc.used_blocks(t) for t in alloc.n_blocks}
-        lines = []
-        for name, v in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {v}"]
-        lines.append("# TYPE hetplan_kv_blocks_used gauge")
-        lines += [f'hetplan_kv_blocks_used{{tier="{t}"}} {n}' for t, n in used.items()]
-        lines.append("# TYPE hetplan_kv_blocks gauge")
-        lines += [f'hetplan_kv_blocks{{tier="{t}"}} {n}' for t, n in alloc.n_blocks.items()]
-        for name, v in counters.items():
-            lines += [f"# TYPE {name} counter", f"{name} {v}"]
-        lines += s.ttft.lines("hetplan_ttft_seconds") + s.tpot.lines("hetplan_tpot_seconds")
+    gauges = {"hetplan_requests_running": len(sched.running), "hetplan_requests_waiting": len(sched.waiting),
+              "hetplan_requests_swapped": len(sched.swapped), "hetplan_tokens_per_second": s.rate.per_s()}
+    counters = {"hetplan_requests_completed_total": s.completed, "hetplan_requests_cancelled_total": s.cancelled,
+                "hetplan_generated_tokens_total": s.tokens, "hetplan_swaps_out_total": sched.swaps_out,
+                "hetplan_swaps_in_total": sched.swaps_in, "hetplan_recomputes_total": sched.recomputes}
+    used = {t: alloc.used_blocks(t) for t in alloc.n_blocks}
+    lines = []
+    for name, v in gauges.items():
+        lines += [f"# TYPE {name} gauge", f"{name} {v}"]
+    lines.append("# TYPE hetplan_kv_blocks_used gauge")
+    lines += [f'hetplan_kv_blocks_used{{tier="{t}"}} {n}' for t, n in used.items()]
+    lines.append("# TYPE hetplan_kv_blocks gauge")
+    lines += [f'hetplan_kv_blocks{{tier="{t}"}} {n}' for t, n in alloc.n_blocks.items()]
+    for name, v in counters.items():
+        lines += [f"# TYPE {name} counter", f"{name} {v}"]
+    lines += s.ttft.lines("hetplan_ttft_seconds") + s.tpot.lines("hetplan_tpot_seconds")
     return "\n".join(lines) + "\n"

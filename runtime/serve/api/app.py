@@ -73,7 +73,7 @@ class _Api:
                                 "whose tokenizer_config.json holds a chat_template", param="messages")
         ids = list(tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
                                            add_generation_prompt=True, tokenize=True, return_dict=False))
-        return await self._run(request, body, ids, max(1, self.engine.settings.max_context - len(ids)), chat=True)
+        return await self._run(request, body, ids, self.engine.room_after(len(ids)), chat=True)
 
     def _ids(self, prompt) -> list:
         if isinstance(prompt, list):
