@@ -11,6 +11,7 @@ import click
 from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
 from hetplan.plan import load_plan
+from hetplan.progress import quiet, step
 
 
 def _int(help_text: str):
@@ -49,8 +50,11 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
     settings = settings_for(plan, block_tokens=block_tokens, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                             max_batch=max_batch, max_waiting=max_waiting, max_context=max_context,
                             prefill_chunk=prefill_chunk)
-    engine = load_engine(plan, weights, settings, emulate=emulate, seed=seed)
-    click.echo(f"hetplan serve: {plan.model.name} on http://{host}:{port} ({engine.mode}; "
-               f"{settings.gpu_blocks} GPU + {settings.cpu_blocks} DRAM KV blocks of {settings.block_tokens} "
-               f"tokens, batch <= {settings.max_batch})", err=True)
+    with step("loading the model"):
+        engine = load_engine(plan, weights, settings, emulate=emulate, seed=seed)
+    quiet()  # serving waits for requests by design: no "still working" lines
+    running_in = {"cuda": "GPU", "emulated": "emulated GPU", "cpu": "DRAM"}[engine.mode]
+    click.echo(f"hetplan serve: {plan.model.name} on http://{host}:{port}; KV blocks of {settings.block_tokens} "
+               f"tokens: {settings.gpu_blocks} for running requests ({running_in}), {settings.cpu_blocks} for "
+               f"swapped ones (DRAM); batch <= {settings.max_batch}, queue <= {settings.max_waiting}", err=True)
     serve_forever(engine, host, port, plan.model.name)

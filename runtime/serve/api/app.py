@@ -80,7 +80,7 @@ class _Api:
             return prompt
         tok = getattr(self.engine, "tokenizer", None)
         if tok is None:
-            raise ApiError(400, "prompt: text needs a tokenizer, and the weights directory has none; send "
+            raise ApiError(400, "prompt: text needs a tokenizer, and there is no tokenizer beside the weights; send "
                                 "the prompt as a list of token ids", param="prompt")
         return list(tok(prompt)["input_ids"])
 
