@@ -14,6 +14,7 @@ Knows nothing about HTTP.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -128,7 +129,10 @@ class Engine:
         with self._mail:
             self.waiting = len(self.scheduler.waiting) + len(self._arrived)
         if not plan:
-            return not self.scheduler.idle()
+            if not self.scheduler.idle():  # every request would wait forever: a bug, never a spin
+                raise HetplanError(f"the scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
+                                   f"and {len(self.scheduler.swapped)} swapped requests")
+            return False
         segments = [(r.rid, r.context[r.computed:r.computed + n], r.computed) for r, n in plan]
         with torch.inference_mode():
             logits = self.model.forward(self.pool, segments)
@@ -186,7 +190,20 @@ class Engine:
                     self._wake.wait()
                 if self._stop:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # the server stays up; the requests in flight end with an error
+                self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _fail_all(self, message: str) -> None:
+        print(f"hetplan serve: error: {message}; the requests in flight were ended", file=sys.stderr)
+        self._take_mail()
+        for req in list(self.requests.values()):
+            self.scheduler.remove(req)
+            req.finish_reason, req.error = "error", message
+            if req.on_token:
+                req.on_token(req)
+        self.requests.clear()
 
     def stop(self) -> None:
         with self._mail:

@@ -14,7 +14,8 @@ Each step, in order:
    the ``cpu`` tier when that has room, else its blocks are freed and its context recomputed
    when it is admitted again.
 2. when nothing was preempted: swapped requests come back (their blocks copied in) while the
-   ``gpu`` tier keeps one free block per running request;
+   ``gpu`` tier keeps one free block per request already running (none when none runs, so a
+   request holding every GPU block can come back);
 3. then waiting requests are admitted while the running batch is under ``max_batch`` and the
    ``gpu`` tier's free blocks hold the whole context plus one token (admission control).
 
@@ -47,6 +48,8 @@ class Request:
     state: str = "waiting"
     """waiting, running, swapped, finished."""
     finish_reason: str | None = None
+    """length, stop, cancelled, or error (the engine failed; ``error`` says how)."""
+    error: str | None = None
     swaps: int = 0
     recomputes: int = 0
     generator: object = None
@@ -119,7 +122,7 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            self._swap_in()
+            budget = self._swap_in(out, budget)
             self._admit(out, budget)
         return out
 
@@ -147,20 +150,27 @@ class Scheduler:
                 and self.running and self.running[-1].priority == "batch":
             self._preempt(self.running[-1])
 
-    def _swap_in(self) -> None:
+    def _swap_in(self, out: list, budget: int) -> int:
+        """Bring swapped requests back (each computes in this step when its blocks allow) -> budget left."""
         self.swapped.sort(key=Request.key)
         while self.swapped and len(self.running) < self.max_batch:
             req = self.swapped[0]
             if self.waiting and min(self.waiting, key=Request.key).key() < req.key():
-                return
+                break
             held = len(self.alloc.table(req.rid).blocks)
-            if held + len(self.running) + 1 > self.alloc.free_blocks("gpu"):
-                return
+            if held + len(self.running) > self.alloc.free_blocks("gpu"):
+                break
             self.pool.move(req.rid, "gpu")
             self.swaps_in += 1
             self.swapped.pop(0)
             req.state = "running"
             self.running.append(req)
+            n = 1 if req.pending == 1 else min(req.pending, self.prefill_chunk, budget)
+            if n > 0 and self.alloc.can_hold(req.rid, req.computed + n):
+                self.alloc.grow(req.rid, req.computed + n)
+                out.append((req, n))
+                budget -= n
+        return budget
 
     def _admit(self, out: list, budget: int) -> None:
         self.waiting.sort(key=Request.key)

@@ -140,3 +140,21 @@ def test_a_client_gone_mid_stream_frees_its_blocks(tiny):
             threading.Event().wait(0.01)
         assert engine.stats.cancelled == 1 and engine.stats.completed == 0
     assert pool_is_whole(engine)
+
+
+def test_an_engine_failure_ends_the_requests_with_500_and_the_server_stays_up(tiny, monkeypatch):
+    _, directory, plan = tiny
+    engine = engine_for(plan, directory, gpu_blocks=16, block_tokens=4)
+    forward = engine.model.forward
+
+    def broken(pool, segments):
+        raise RuntimeError("simulated kernel failure")
+
+    with running(engine) as url:
+        monkeypatch.setattr(engine.model, "forward", broken)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+        assert pool_is_whole(engine)
+        monkeypatch.setattr(engine.model, "forward", forward)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and len(ids_of(r.json()["choices"][0]["text"])) == 3

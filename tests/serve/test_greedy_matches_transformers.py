@@ -98,3 +98,21 @@ def test_batch_requests_are_preempted_before_interactive_ones(tiny, workload):
     assert all(r.swaps == 0 and r.recomputes == 0 for r, p in zip(reqs, prios) if p == "interactive")
     assert sum(r.swaps + r.recomputes for r, p in zip(reqs, prios) if p == "batch") > 0
     assert_all_match(reqs, workload, engine)
+
+
+def test_a_request_swapped_out_holding_every_gpu_block_comes_back(tiny):
+    """A batch request grown to all 6 GPU blocks (24 positions) is swapped out for an
+    interactive one; once that finishes, it returns and finishes: both outputs match."""
+    model, directory, plan = tiny
+    engine = engine_for(plan, directory, gpu_blocks=6, cpu_blocks=8, block_tokens=4, prefill_chunk=8)
+    long_prompt, short_prompt = random_prompt(50, 10), random_prompt(51, 3)
+    long_req = engine.submit(long_prompt, SamplingParams(max_tokens=14, temperature=0.0), priority="batch")
+    engine.step()
+    while len(engine.pool.alloc.table(long_req.rid).blocks) < 6:
+        engine.step()
+    assert long_req.finish_reason is None
+    short_req = engine.submit(short_prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    engine.run_until_idle()
+    assert long_req.swaps == 1 and short_req.swaps == 0
+    assert long_req.generated == greedy_alone(model, long_prompt, 14)
+    assert short_req.generated == greedy_alone(model, short_prompt, 3)

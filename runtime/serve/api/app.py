@@ -105,6 +105,8 @@ class _Api:
                 await updates.get()
         finally:  # a client gone before the end cancels its request (a no-op once finished)
             self.engine.cancel(req.rid)
+        if req.finish_reason == "error":
+            raise ApiError(500, f"the engine failed on this request: {req.error}")
         return JSONResponse(reply.whole())
 
     async def _stream(self, req, updates, reply):
@@ -121,6 +123,10 @@ class _Api:
                     delta = ready[len(sent):]
                     sent = ready
                     yield _sse(reply.chunk({"content": delta} if reply.chat else delta, None))
+                if done and req.finish_reason == "error":
+                    yield _sse(ApiError(500, f"the engine failed on this request: {req.error}").body())
+                    yield "data: [DONE]\n\n"
+                    return
                 if done:
                     yield _sse(reply.chunk({} if reply.chat else "", req.finish_reason))
                     yield "data: [DONE]\n\n"
