@@ -6,7 +6,9 @@ A step's *segments* are (request, new token ids, first position). Token-wise sta
 ``mlp``) run once over every segment's tokens laid end to end ([1, N, D]); ``embed``,
 ``attn_in`` (rotary positions) and attention run per segment, attention over the request's own
 blocks gathered from the pool (causal from the segment's first position). ``head`` returns the
-logits of each segment's last position. Knows nothing about scheduling or HTTP.
+logits of each segment's last position. A block the plan streams to the GPU computes here where
+its weights live (host memory): serving does not stream weights. Knows nothing about scheduling
+or HTTP.
 """
 
 from __future__ import annotations

@@ -12,21 +12,22 @@ import torch
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.runtime.serve.load import load_engine
 from hetplan.runtime.serve.settings import settings_for
-from tests.exec.test_numerics import save_tiny_model
+from tests.exec.test_numerics import CPU_NODE, save_tiny_model
 from tests.tiny_models import TINY_GPU_NODE
 
 VOCAB = 128
 CONTEXT = 96
 
 
-def tiny_llama(tmp_path_factory):
-    """(transformers model, checkpoint dir, plan)."""
+def tiny_llama(tmp_path_factory, gpu: bool = True):
+    """(transformers model, checkpoint dir, plan): the plan all on the (emulated) GPU, or, with
+    ``gpu=False``, on a machine without one."""
     directory = tmp_path_factory.mktemp("serve-llama")
     model = save_tiny_model("llama", directory)
-    node = tmp_path_factory.mktemp("node") / "gpu.yaml"
-    node.write_text(TINY_GPU_NODE)
-    req = CompileRequest(model=str(directory), hw=str(node), strategy="all-gpu", weight_dtype="fp32",
-                         prompt_len=CONTEXT // 2, gen_len=CONTEXT // 2)
+    node = tmp_path_factory.mktemp("node") / "node.yaml"
+    node.write_text(TINY_GPU_NODE if gpu else CPU_NODE)
+    req = CompileRequest(model=str(directory), hw=str(node), strategy="all-gpu" if gpu else "ilp",
+                         weight_dtype="fp32", prompt_len=CONTEXT // 2, gen_len=CONTEXT // 2)
     return model, str(directory), compile_plan(req)[0]
 
 

@@ -116,3 +116,16 @@ def test_a_request_swapped_out_holding_every_gpu_block_comes_back(tiny):
     assert long_req.swaps == 1 and short_req.swaps == 0
     assert long_req.generated == greedy_alone(model, long_prompt, 14)
     assert short_req.generated == greedy_alone(model, short_prompt, 3)
+
+
+def test_a_plan_without_a_gpu_serves_from_host_memory_and_matches(tmp_path_factory, workload):
+    """Both tiers in host memory (the running tier stands where the GPU's would be): swaps still
+    copy blocks between them, and outputs still match. The workload's reference tokens come from
+    the same seeded weights (``save_tiny_model`` seeds them)."""
+    _, directory, plan = tiny_llama(tmp_path_factory, gpu=False)
+    assert {t.resource for s in plan.schedule.values() for t in s.tasks} == {"cpu"}
+    engine = engine_for(plan, directory, gpu_blocks=12, cpu_blocks=64, block_tokens=4, prefill_chunk=8)
+    assert engine.mode == "cpu"
+    reqs = run_all(engine, workload)
+    assert engine.scheduler.swaps_out > 0
+    assert_all_match(reqs, workload, engine)

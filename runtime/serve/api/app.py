@@ -118,7 +118,9 @@ class _Api:
                 await updates.get()
                 done = req.finish_reason is not None
                 text = self.engine.text(req)
-                ready = text if done else safe_prefix(text, req.params.stop)
+                # held back until settled: a possible stop string's start, and a character whose
+                # bytes are not all decoded yet (U+FFFD at the end)
+                ready = text if done else safe_prefix(text, req.params.stop).rstrip("\ufffd")
                 if len(ready) > len(sent):
                     delta = ready[len(sent):]
                     sent = ready
