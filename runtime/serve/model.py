@@ -47,7 +47,8 @@ class PagedModel:
                 tensors[t.local] = devices.empty(tier, tuple(t.shape), self.dtype, f"weights of {p['block']}")
                 source.fill(t, tensors[t.local])
             self.blocks.append((p["block"], p["kind"], p["layer"], tier, tensors))
-        self.attn_layers = [layer for _, kind, layer, _, _ in self.blocks if kind == "attn"]
+        # attention layer -> its index in the pool's layer axis
+        self.kv_index = {layer: j for j, layer in enumerate(l for _, k, l, _, _ in self.blocks if k == "attn")}
         self.scale = 1.0 if self.backend.q_scale is not None else None
 
     def forward(self, pool, segments: list) -> torch.Tensor:
@@ -78,7 +79,7 @@ class PagedModel:
     def _attention(self, pool, name, layer, dev, w, x, rid, start) -> torch.Tensor:
         n = x.shape[1]
         qkv = self._run("attn_in", name, layer, dev, w, {"x": x}, start, n)
-        j = self.attn_layers.index(layer)
+        j = self.kv_index[layer]
         kv_dev = pool.kv["gpu"].device
         pool.write(rid, j, start, qkv["k"][0].to(kv_dev), qkv["v"][0].to(kv_dev))
         k, v = pool.gather(rid, j, start + n)                  # [1, T, KVH, hd]

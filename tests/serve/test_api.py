@@ -93,6 +93,10 @@ def test_bad_bodies_are_400_naming_the_field(tiny):
         assert r.status_code == 400 and "'temperature'" in r.json()["error"]["message"]
         r = post(json.dumps({"max_tokens": 3}))
         assert r.status_code == 400 and "'prompt'" in r.json()["error"]["message"]
+        r = post(json.dumps({"prompt": [1, 2], "priority": "urgent"}))
+        assert r.status_code == 400 and "'priority'" in r.json()["error"]["message"]
+        r = post(json.dumps([1, 2]))
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
         r = post(json.dumps({"prompt": [1, 999]}))
         assert r.status_code == 400 and "999" in r.json()["error"]["message"]
     assert pool_is_whole(engine)
@@ -158,3 +162,24 @@ def test_an_engine_failure_ends_the_requests_with_500_and_the_server_stays_up(ti
         monkeypatch.setattr(engine.model, "forward", forward)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and len(ids_of(r.json()["choices"][0]["text"])) == 3
+
+
+def test_a_streamed_stop_string_never_reaches_the_client(tiny):
+    """Generation stops at the stop string; the streamed text is the text before it, including
+    when the stop string's start arrived in an earlier chunk (it is held back)."""
+    model, directory, plan = tiny
+    prompt = random_prompt(60, 7)
+    ref = greedy_alone(model, prompt, 12)
+    stop = f" {ref[4]} {ref[5]}"
+    expected = "".join(f" {t}" for t in ref[:4])
+    assert stop not in expected + f" {ref[4]}"
+    engine = engine_for(plan, directory, gpu_blocks=16, block_tokens=4)
+    with running(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                                stop=stop, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+        assert whole.choices[0].text == expected and whole.usage.completion_tokens == 6
+    assert pool_is_whole(engine)
