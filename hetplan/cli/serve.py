@@ -32,9 +32,11 @@ def _int(help_text: str):
 @click.option("--max-waiting", **_int("Queued requests at most; more get HTTP 429 (default 256)."))
 @click.option("--max-context", **_int("Prompt + max_tokens at most (default: the plan's context)."))
 @click.option("--prefill-chunk", **_int("Prompt tokens per request per step (default: the plan's chunk, else 256)."))
+@click.option("--cpu-attention/--no-cpu-attention", default=None,
+              help="Requests swapped out to DRAM keep decoding there, attention on the CPU (default: off).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="Seeds random weights.")
 def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, cpu_blocks, max_batch, max_waiting,
-            max_context, prefill_chunk, seed):
+            max_context, prefill_chunk, cpu_attention, seed):
     """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics."""
     require_torch("serve")
     try:
@@ -49,7 +51,7 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
     plan = load_plan(plan_path)
     settings = settings_for(plan, block_tokens=block_tokens, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                             max_batch=max_batch, max_waiting=max_waiting, max_context=max_context,
-                            prefill_chunk=prefill_chunk)
+                            prefill_chunk=prefill_chunk, cpu_attention=cpu_attention)
     with step("loading the model"):
         engine = load_engine(plan, weights, settings, emulate=emulate, seed=seed)
     quiet()  # serving waits for requests by design: no "still working" lines

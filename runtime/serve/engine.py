@@ -49,7 +49,8 @@ class Stats:
 class Engine:
     def __init__(self, model, pool, settings, detokenize=None, eos_id: int | None = None):
         self.model, self.pool, self.settings = model, pool, settings
-        self.scheduler = Scheduler(pool, settings.max_batch, settings.prefill_chunk, settings.step_tokens)
+        self.scheduler = Scheduler(pool, settings.max_batch, settings.prefill_chunk, settings.step_tokens,
+                                   cpu_attention=settings.cpu_attention)
         self.detokenize = detokenize or (lambda ids: "".join(f" {i}" for i in ids))
         self.eos_id = eos_id
         self.requests: dict = {}

@@ -2,7 +2,8 @@
 
 Gauges: requests running, waiting and swapped out; KV blocks used and held per tier
 (``tier="gpu"``/``"cpu"``); generated tokens per second over the last ``RATE_WINDOW_S``.
-Counters: requests completed and cancelled, tokens generated, swaps out and in, recomputes.
+Counters: requests completed and cancelled, tokens generated, swaps out and in, recomputes,
+tokens decoded with attention on the CPU over blocks in DRAM.
 Histograms: TTFT (arrival to first token) and TPOT (between consecutive tokens of a request),
 in seconds. Knows nothing about HTTP or tensors.
 """
@@ -66,7 +67,8 @@ def render(engine) -> str:
               "hetplan_requests_swapped": len(sched.swapped), "hetplan_tokens_per_second": s.rate.per_s()}
     counters = {"hetplan_requests_completed_total": s.completed, "hetplan_requests_cancelled_total": s.cancelled,
                 "hetplan_generated_tokens_total": s.tokens, "hetplan_swaps_out_total": sched.swaps_out,
-                "hetplan_swaps_in_total": sched.swaps_in, "hetplan_recomputes_total": sched.recomputes}
+                "hetplan_swaps_in_total": sched.swaps_in, "hetplan_recomputes_total": sched.recomputes,
+                "hetplan_cpu_attention_tokens_total": sched.cpu_attention_tokens}
     used = {t: alloc.used_blocks(t) for t in alloc.n_blocks}
     lines = []
     for name, v in gauges.items():

@@ -5,7 +5,10 @@ The weights of each block of the plan are placed in the tier the plan chose (thr
 A step's *segments* are (request, new token ids, first position). Token-wise stages (``attn_out``,
 ``mlp``) run once over every segment's tokens laid end to end ([1, N, D]); ``embed``,
 ``attn_in`` (rotary positions) and attention run per segment, attention over the request's own
-blocks gathered from the pool (causal from the segment's first position). ``head`` returns the
+blocks gathered from the pool (causal from the segment's first position) on the device of the
+tier they are in: a request decoding from DRAM has its attention computed on the CPU, and its
+output joins the batch's for the token-wise stages (in turn with the GPU's segments, not yet
+overlapped with them). ``head`` returns the
 logits of each segment's last position. A block the plan streams to the GPU computes here where
 its weights live (host memory): serving does not stream weights. Knows nothing about scheduling
 or HTTP.
@@ -80,7 +83,7 @@ class PagedModel:
         n = x.shape[1]
         qkv = self._run("attn_in", name, layer, dev, w, {"x": x}, start, n)
         j = self.kv_index[layer]
-        kv_dev = pool.kv["gpu"].device
+        kv_dev = pool.kv[pool.alloc.table(rid).tier].device  # a request in DRAM attends on the CPU
         pool.write(rid, j, start, qkv["k"][0].to(kv_dev), qkv["v"][0].to(kv_dev))
         k, v = pool.gather(rid, j, start + n)                  # [1, T, KVH, hd]
         q = qkv["q"].to(kv_dev)

@@ -19,6 +19,9 @@ Each step, in order:
 3. then waiting requests are admitted while the running batch is under ``max_batch`` and the
    ``gpu`` tier's free blocks hold the whole context plus one token (admission control).
 
+With ``cpu_attention``, swapped requests that are decoding also compute each step, their
+attention on the CPU over their blocks in DRAM (which grow there), beside the running batch.
+
 Before step 1, an interactive request at the head of the queue that does not fit preempts
 running batch requests (latest first) until it does.
 
@@ -72,8 +75,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, pool, max_batch: int, prefill_chunk: int, step_tokens: int):
+    def __init__(self, pool, max_batch: int, prefill_chunk: int, step_tokens: int, cpu_attention: bool = False):
         self.pool, self.alloc = pool, pool.alloc
+        self.cpu_attention = cpu_attention
+        self.cpu_attention_tokens = 0
         self.max_batch, self.prefill_chunk, self.step_tokens = max_batch, prefill_chunk, step_tokens
         self.waiting: list = []
         self.running: list = []
@@ -123,8 +128,22 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._swap_in(out, budget)
-            self._admit(out, budget)
+            budget = self._admit(out, budget)
+        if self.cpu_attention:
+            self._decode_in_dram(out, budget)
         return out
+
+    def _decode_in_dram(self, out: list, budget: int) -> None:
+        """Swapped requests that are decoding compute their next token where their blocks are
+        (attention on the CPU), growing in the DRAM tier, until they can be swapped back in."""
+        for req in sorted(self.swapped, key=Request.key):
+            if budget < 1:
+                return
+            if req.pending == 1 and self.alloc.can_hold(req.rid, req.computed + 1):
+                self.alloc.grow(req.rid, req.computed + 1)
+                out.append((req, 1))
+                budget -= 1
+                self.cpu_attention_tokens += 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -172,15 +191,15 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit(self, out: list, budget: int) -> None:
+    def _admit(self, out: list, budget: int) -> int:
         self.waiting.sort(key=Request.key)
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             if self.swapped and self.swapped[0].key() < req.key():
-                return
+                return budget
             need = blocks_for(len(req.context) + 1, self.alloc.block_tokens)
             if need > self.alloc.free_blocks("gpu"):
-                return
+                return budget
             self.waiting.pop(0)
             req.state = "running"
             self.running.append(req)
@@ -189,3 +208,4 @@ class Scheduler:
             if n > 0:
                 out.append((req, n))
                 budget -= n
+        return budget

@@ -9,7 +9,8 @@ Every value can be set (``hetplan serve`` flags); what is left unset is derived 
 - ``max_batch``: min(64, gpu_blocks) (each running request holds at least one block);
 - ``max_context``: the plan's context (prompt_len + gen_len);
 - ``prefill_chunk``: the plan's prefill chunk, else 256 tokens; ``step_tokens`` = prefill_chunk +
-  max_batch (every decode plus one chunk per step).
+  max_batch (every decode plus one chunk per step);
+- ``cpu_attention``: off (whether it pays is for a serving plan to say).
 
 A serving plan (``compile --serve``) would fill these from its own decisions. Knows nothing
 about tensors.
@@ -42,10 +43,14 @@ class ServeSettings:
     """Prompt tokens one request computes per step at most."""
     step_tokens: int = 0
     """Tokens one step computes at most (decodes and prefill chunks together)."""
+    cpu_attention: bool = False
+    """Requests swapped out to DRAM keep decoding there, their attention on the CPU."""
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, bool):
+                continue
             if v < (0 if f.name == "cpu_blocks" else 1):
                 flag = "--" + f.name.replace("_", "-")
                 raise HetplanError(f"{flag} {v}: must be at least {0 if f.name == 'cpu_blocks' else 1}")
@@ -74,4 +79,4 @@ def settings_for(plan, **given) -> ServeSettings:
     if base.max_context > spec.max_positions:
         raise HetplanError(f"--max-context {base.max_context}: model {spec.name!r} has {spec.max_positions} "
                            f"positions; pass at most that")
-    return replace(base, **{k: v for k, v in given.items() if k == "max_waiting"})
+    return replace(base, **{k: v for k, v in given.items() if k in ("max_waiting", "cpu_attention")})

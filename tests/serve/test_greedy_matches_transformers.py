@@ -129,3 +129,14 @@ def test_a_plan_without_a_gpu_serves_from_host_memory_and_matches(tmp_path_facto
     reqs = run_all(engine, workload)
     assert engine.scheduler.swaps_out > 0
     assert_all_match(reqs, workload, engine)
+
+
+def test_swapped_requests_decoding_with_cpu_attention_match_transformers(tiny, workload):
+    """With --cpu-attention, swapped requests keep decoding from their blocks in DRAM (attention
+    on the CPU, beside the running batch, their blocks growing in DRAM): outputs still match."""
+    _, directory, plan = tiny
+    engine = engine_for(plan, directory, gpu_blocks=12, cpu_blocks=64, block_tokens=4, prefill_chunk=8,
+                        cpu_attention=True)
+    reqs = run_all(engine, workload)
+    assert engine.scheduler.swaps_out > 0 and engine.scheduler.cpu_attention_tokens > 0
+    assert_all_match(reqs, workload, engine)
