@@ -164,8 +164,7 @@ class Engine:
             self.scheduler.remove(req)
             self.requests.pop(req.rid, None)
             self.stats.completed += 1
-        if req.on_token:
-            req.on_token(req)
+        _notify(req)
 
     def text(self, req: Request) -> str:
         """The request's generated text, ended before its first stop string."""
@@ -202,8 +201,7 @@ class Engine:
         for req in list(self.requests.values()):
             self.scheduler.remove(req)
             req.finish_reason, req.error = "error", message
-            if req.on_token:
-                req.on_token(req)
+            _notify(req)
         self.requests.clear()
 
     def stop(self) -> None:
@@ -212,3 +210,14 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+
+
+def _notify(req: Request) -> None:
+    """Tell the request's consumer; one whose callback fails (its event loop closed at shutdown)
+    does not stop the engine serving the others."""
+    if req.on_token is None:
+        return
+    try:
+        req.on_token(req)
+    except RuntimeError:  # "Event loop is closed"
+        pass
