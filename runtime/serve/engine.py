@@ -47,12 +47,18 @@ class Stats:
 
 
 class Engine:
-    def __init__(self, model, pool, settings, detokenize=None, eos_id: int | None = None):
+    def __init__(self, model, pool, settings, tokenizer=None, mode: str = "cpu"):
+        """``tokenizer``: the one beside the weights (text, chat template, end of sequence), or None.
+        ``mode``: where the ``gpu`` tier is (``cuda``, ``emulated``, ``cpu``), for what is shown."""
         self.model, self.pool, self.settings = model, pool, settings
+        self.tokenizer, self.mode = tokenizer, mode
         self.scheduler = Scheduler(pool, settings.max_batch, settings.prefill_chunk, settings.step_tokens,
                                    cpu_attention=settings.cpu_attention)
-        self.detokenize = detokenize or (lambda ids: "".join(f" {i}" for i in ids))
-        self.eos_id = eos_id
+        if tokenizer is not None:
+            self.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        else:
+            self.detokenize = lambda ids: "".join(f" {i}" for i in ids)
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.requests: dict = {}
         self.stats = Stats()
         self._mail = threading.Lock()      # guards what other threads hand the stepping thread

@@ -27,9 +27,4 @@ def load_engine(plan, weights: str, settings: ServeSettings, emulate: bool | Non
         source.close()
     pool = KVPool(devices, spec.n_layers, spec.n_kv_heads, spec.head_dim, TORCH_DTYPES[spec.kv_dtype],
                   settings.block_tokens, {"gpu": settings.gpu_blocks, "cpu": settings.cpu_blocks})
-    detok = tokenizer.decode if tokenizer is not None else None
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    engine = Engine(model, pool, settings, detokenize=detok, eos_id=eos)
-    engine.tokenizer = tokenizer
-    engine.mode = mode
-    return engine
+    return Engine(model, pool, settings, tokenizer=tokenizer, mode=mode)

@@ -66,7 +66,7 @@ class _Api:
 
     async def chat(self, request: HttpRequest):
         body = parse(await request.body(), ChatRequest)
-        tok = getattr(self.engine, "tokenizer", None)
+        tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "/v1/chat/completions needs a chat template, and the weights directory has no "
                                 "tokenizer with one; use /v1/completions, or serve weights with a tokenizer "
@@ -78,7 +78,7 @@ class _Api:
     def _ids(self, prompt) -> list:
         if isinstance(prompt, list):
             return prompt
-        tok = getattr(self.engine, "tokenizer", None)
+        tok = self.engine.tokenizer
         if tok is None:
             raise ApiError(400, "prompt: text needs a tokenizer, and there is no tokenizer beside the weights; send "
                                 "the prompt as a list of token ids", param="prompt")
