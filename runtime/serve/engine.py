@@ -173,8 +173,11 @@ class Engine:
         _notify(req)
 
     def text(self, req: Request) -> str:
-        """The request's generated text, ended before its first stop string."""
-        text = self.detokenize(req.generated)
+        """The request's generated text, ended before its first stop string (or its end-of-sequence token)."""
+        ids = req.generated
+        if ids and req.finish_reason == "stop" and self.eos_id is not None and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        text = self.detokenize(ids)
         return cut_at_stop(text, req.params.stop)[0] if req.params.stop else text
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:

@@ -1,11 +1,11 @@
 """`hetplan serve` on the command line and with a tokenizer beside the weights: a server process
 that answers and stops on Ctrl-C; text prompts tokenised and chat messages rendered with the
-tokenizer's chat template; bad flags refused in one line (exit 2).
+tokenizer's chat template; the end-of-sequence token ending a request; bad flags refused in one line (exit 2).
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import signal
 import subprocess
 import sys
@@ -20,6 +20,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from hetplan.cli import main
 from hetplan.plan import write_atomic
 from hetplan.runtime.serve.api.server import free_port, running
+from hetplan.runtime.serve.engine import Engine
+from hetplan.runtime.serve.sampling import SamplingParams
 from tests.serve.fixtures import engine_for, greedy_alone, tiny_llama
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t1{% endif %}"
@@ -90,3 +92,17 @@ def test_bad_flags_are_one_line_errors(served, capsys, flags, words):
     rc = main(["serve", str(plan_path), "--weights", str(directory), "--emulate", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and words in err[0] and err[0].startswith("hetplan: error: ")
+
+
+def test_the_end_of_sequence_token_ends_a_request_and_is_not_in_its_text(served):
+    model, directory, plan, _, tok = served
+    ref = greedy_alone(model, [5, 6, 7], 8)
+    assert ref[3] not in ref[:3]
+    with_eos = copy.deepcopy(tok)
+    with_eos.eos_token = f"t{ref[3]}"
+    base = engine_for(plan, directory, gpu_blocks=32, block_tokens=4)
+    engine = Engine(base.model, base.pool, base.settings, tokenizer=with_eos)
+    req = engine.submit([5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+    engine.run_until_idle()
+    assert req.generated == ref[:4] and req.finish_reason == "stop"
+    assert engine.text(req) == tok.decode(ref[:3])
