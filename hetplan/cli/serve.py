@@ -20,7 +20,7 @@ def _int(help_text: str):
 
 @click.command("serve")
 @click.argument("plan_path", metavar="PLAN")
-@click.option("--weights", required=True, help="Checkpoint directory (safetensors), a .gguf file, or 'random'.")
+@click.option("--weights", required=True, help="Checkpoint directory (safetensors, with its tokenizer if any), or 'random'.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
 @click.option("--emulate/--no-emulate", default=None,
