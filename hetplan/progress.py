@@ -113,6 +113,14 @@ def printed() -> None:
             sink.touch()
 
 
+def quiet() -> None:
+    """The command's long work is over and from now on it waits by design (``serve`` listening):
+    the heartbeat stops (lines the command prints itself still show)."""
+    sink = _SINK.get()
+    if sink is not None:
+        sink.stop.set()
+
+
 def note(text: str) -> None:
     """Print ``text`` now (when a sink is installed)."""
     sink = _SINK.get()

@@ -26,6 +26,7 @@ _COMMANDS = {
     "check": ("hetplan.cli.check", "Recompile plans from their inputs and fail on regressions (CI)."),
     "exec": ("hetplan.cli.exec", "Execute a plan with the torch runtime and compare with its prediction."),
     "profile": ("hetplan.cli.profile", "Measure this machine and write node.yaml + node.profile.json."),
+    "serve": ("hetplan.cli.serve", "Serve a plan over an OpenAI-compatible HTTP API (continuous batching, paged KV)."),
 }
 
 

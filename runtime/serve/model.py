@@ -1,0 +1,99 @@
+"""One batched forward over paged KV: every scheduled request's new tokens in one pass.
+
+The weights of each block of the plan are placed in the tier the plan chose (through
+``Devices``), and the dense backend's stages (``hetplan.runtime.models.dense``) compute on them.
+A step's *segments* are (request, new token ids, first position). Token-wise stages (``attn_out``,
+``mlp``) run once over every segment's tokens laid end to end ([1, N, D]); ``embed``,
+``attn_in`` (rotary positions) and attention run per segment, attention over the request's own
+blocks gathered from the pool (causal from the segment's first position) on the device of the
+tier they are in: a request decoding from DRAM has its attention computed on the CPU, and its
+output joins the batch's for the token-wise stages (in turn with the GPU's segments, not yet
+overlapped with them). ``head`` returns the
+logits of each segment's last position. A block the plan streams to the GPU computes here where
+its weights live (host memory): serving does not stream weights. Knows nothing about scheduling
+or HTTP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetplan.errors import HetplanError
+from hetplan.runtime.backend import StageCall, Step, backend_for
+from hetplan.runtime.models.dense import DenseBackend, attention
+from hetplan.runtime.weights import TORCH_DTYPES
+
+STAGES = {"embed": ("embed",), "attn": ("attn_in", "attn_core", "attn_out"), "mlp": ("mlp",), "head": ("head",)}
+
+
+class PagedModel:
+    def __init__(self, plan, source, devices, max_tokens: int):
+        spec = plan.model
+        if spec.weight_dtype not in TORCH_DTYPES:
+            raise HetplanError(f"plan --weight-dtype {spec.weight_dtype}: hetplan serve runs weights in "
+                               f"{', '.join(TORCH_DTYPES)}; recompile the plan with one of them")
+        self.backend = backend_for(spec)
+        if not isinstance(self.backend, DenseBackend):
+            raise HetplanError(f"model family {spec.arch!r}: hetplan serve runs the dense families "
+                               f"(llama, mistral, qwen2, qwen3, opt, gpt2)")
+        self.spec, self.devices = spec, devices
+        self.dtype = TORCH_DTYPES[spec.weight_dtype]
+        for tier in ("gpu", "cpu") if devices.mode != "cpu" else ("cpu",):
+            self.backend.setup(devices.device(tier), max_tokens)
+        self.blocks = []   # (name, kind, layer, tier, {local: tensor}) in forward order
+        for p in sorted(plan.placement, key=_order):
+            tier = "gpu" if p["weights"] == "gpu" and devices.mode != "cpu" else "cpu"
+            specs = self.backend.block_tensors(p["block"], p["kind"], p["layer"])
+            tensors = {}
+            for t in specs:
+                source.check(t, self.dtype, f"block {p['block']}")
+                tensors[t.local] = devices.empty(tier, tuple(t.shape), self.dtype, f"weights of {p['block']}")
+                source.fill(t, tensors[t.local])
+            self.blocks.append((p["block"], p["kind"], p["layer"], tier, tensors))
+        # attention layer -> its index in the pool's layer axis
+        self.kv_index = {layer: j for j, layer in enumerate(l for _, k, l, _, _ in self.blocks if k == "attn")}
+        self.scale = 1.0 if self.backend.q_scale is not None else None
+
+    def forward(self, pool, segments: list) -> torch.Tensor:
+        """segments: [(rid, ids [n] list, start)] -> fp32 logits [len(segments), V] at each
+        segment's last position; writes every segment's K/V into ``pool``."""
+        lengths = [len(ids) for _, ids, _ in segments]
+        offsets = [sum(lengths[:i]) for i in range(len(segments))]
+        x = None
+        for name, kind, layer, tier, w in self.blocks:
+            dev = self.devices.device(tier)
+            if kind == "embed":
+                parts = [self._run("embed", name, layer, dev, w, {"ids": torch.tensor([ids], device=dev)}, start, len(ids))
+                         ["x"] for _, ids, start in segments]
+                x = torch.cat(parts, dim=1)                    # [1, N, D]
+            elif kind == "attn":
+                x = x.to(dev)
+                o = torch.cat([self._attention(pool, name, layer, dev, w, x[:, off:off + n], rid, start)
+                               for (rid, _, start), off, n in zip(segments, offsets, lengths)], dim=1)
+                x = self._run("attn_out", name, layer, dev, w, {"x": x, "o": o.to(dev)}, 0, x.shape[1])["x"]
+            elif kind == "mlp":
+                x = self._run("mlp", name, layer, dev, w, {"x": x.to(dev)}, 0, x.shape[1])["x"]
+            else:
+                last = torch.tensor([off + n - 1 for off, n in zip(offsets, lengths)], device=dev)
+                h = x.to(dev).index_select(1, last)            # [1, S, D]
+                logits = self._run("head", name, layer, dev, w, {"x": h}, 0, h.shape[1], all_logits=True)["logits"]
+        return logits[0].float().cpu()                         # [S, V]
+
+    def _attention(self, pool, name, layer, dev, w, x, rid, start) -> torch.Tensor:
+        n = x.shape[1]
+        qkv = self._run("attn_in", name, layer, dev, w, {"x": x}, start, n)
+        j = self.kv_index[layer]
+        kv_dev = pool.kv[pool.alloc.table(rid).tier].device  # a request in DRAM attends on the CPU
+        pool.write(rid, j, start, qkv["k"][0].to(kv_dev), qkv["v"][0].to(kv_dev))
+        k, v = pool.gather(rid, j, start + n)                  # [1, T, KVH, hd]
+        q = qkv["q"].to(kv_dev)
+        return attention(q, k.to(q.dtype), v.to(q.dtype), start, scale=self.scale)   # [1, n, H*hd]
+
+    def _run(self, kind, name, layer, dev, w, inputs, start, n, all_logits=False):
+        step = Step("prefill" if n > 1 else "decode", start, n, 1, all_logits=all_logits)
+        return self.backend.run(StageCall(kind, name, layer, dev, w, inputs, step))
+
+
+def _order(p: dict) -> tuple:
+    rank = {"embed": 0, "attn": 1, "mlp": 2, "head": 3}[p["kind"]]
+    return (-1 if p["kind"] == "embed" else (10**9 if p["kind"] == "head" else p["layer"]), rank)
