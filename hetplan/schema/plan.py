@@ -126,6 +126,14 @@ class Device(Strict):
     cores: count(100000) = Field(0, description="cores or SMs")
     device_class: Literal["", "consumer", "datacenter", "desktop", "server"] = Field(
         "", description="the class whose default constants the node took")
+    numa: count(63) | None = Field(None, description="CPU socket of a GPU (written when stated)")
+
+
+class PeerLink(Strict):
+    a: count(1023) = Field(description="index of one GPU")
+    b: count(1023) = Field(description="index of the other GPU")
+    kind: Literal["nvlink", "nvswitch", "pcie", "host"] = Field(description="how they exchange activations")
+    bytes_per_s: LinkRate | None = Field(None, description="one direction's bandwidth (None: through host)")
 
 
 class HwEfficiency(Strict):
@@ -154,6 +162,8 @@ class Hardware(Strict):
     latency_s: HwLatency = Field(description="per-task fixed costs")
     price_per_hour: quantity("$/h", 10000.0, low_open=True) | None = Field(None, description="machine cost")
     profile: Annotated[str, Field(max_length=4096)] | None = Field(None, description="node.profile.json path")
+    peers: Annotated[list[PeerLink], Field(max_length=2**19)] | None = Field(
+        None, description="GPU-to-GPU links (written for a node with several GPUs)")
 
 
 # -- what was decided and predicted -----------------------------------------------------------
@@ -373,7 +383,8 @@ class PlanFile(Strict):
 
 SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling), ("model.extra", ModelExtra),
             ("model.extra.gguf", GgufRecord),
-            ("hardware", Hardware), ("hardware.gpus[], hardware.cpu", Device), ("*.flops_per_s", DeviceFlops),
+            ("hardware", Hardware), ("hardware.gpus[], hardware.cpu", Device),
+            ("hardware.peers[]", PeerLink), ("*.flops_per_s", DeviceFlops),
             ("hardware.efficiency", HwEfficiency), ("hardware.latency_s", HwLatency), ("workload", Workload),
             ("solver", Solver), ("solver.options", SolverOptions), ("solver.size", SolverSize),
             ("placement[]", Placement), ("placement[].exec", BlockExec), ("staging", Staging),
