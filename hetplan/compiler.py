@@ -214,6 +214,20 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     return dec, info, res.solve_seconds
 
 
+def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = None):
+    """The single-GPU planner one pipeline stage is priced with (``hetplan.pipeline``): a
+    problem -> its Plan under ``strategy``, or None when nothing fits."""
+    def solve(problem: Problem) -> Plan | None:
+        if not fits_at_all(problem):
+            return None
+        dec, info, _ = decide(problem, strategy, arg, req)
+        if dec is None:
+            return None
+        plan = make_plan(problem, dec, info)
+        return plan if fits(plan) else None
+    return solve
+
+
 def _at_least_baselines(problem: Problem, dec, info, baseline: tuple, regap: bool = True):
     """``dec``, or the best fitting baseline (``baselines.best_fitting``) when it replays
     better; ``regap``: the MIP gap restated against the replayed objective."""
