@@ -57,7 +57,8 @@ class PipelinePlan:
                             "ttft_s": s.plan.predicted["ttft_s"], "tpot_s": s.plan.predicted["tpot_s"],
                             "gpu_bytes": s.plan.memory["gpu_bytes"], "cpu_bytes": s.plan.memory["cpu_bytes"],
                             "weights": _tiers(s.plan)} for s in self.stages],
-                "links": [dict(l) for l in self.links],
+                "links": [{"from_gpu": l["from"], "to_gpu": l["to"], "kind": l["kind"], "prefill_s": l["prefill_s"],
+                           "decode_s": l["decode_s"]} for l in self.links],
                 "predicted": self.predicted()}
 
 
@@ -73,8 +74,8 @@ def _tiers(plan) -> dict:
 def plan_pipeline(spec: ModelSpec, hw: HardwareSpec, wl: Workload, solve_stage, objective: str = "sum") -> PipelinePlan:
     """The best pipeline of ``spec`` over ``hw``'s GPUs. ``solve_stage(problem)`` is the single-GPU
     planner: a Plan, or None when nothing fits. Stages are priced once per distinct (GPU, layer
-    count, holds embed, holds head, dense layers) and cached; a stage's seconds are its
-    ``ttft_s`` (prefill) plus ``gen_len`` x ``tpot_s`` for ``sum``, its ``tpot_s`` for ``max``."""
+    count, holds embed, holds head, dense layers) and cached; a stage's seconds are what the
+    workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``)."""
     from hetplan.solvers.pipeline import best_split
 
     if not hw.gpus:
@@ -90,7 +91,11 @@ def plan_pipeline(spec: ModelSpec, hw: HardwareSpec, wl: Workload, solve_stage, 
         return plans[key]
 
     def seconds(pred_ttft: float, pred_tpot: float) -> float:
-        return pred_ttft + wl.gen_len * pred_tpot if objective == "sum" else pred_tpot
+        """What ``wl.objective`` minimises of a stage or a link (the throughput objective: its
+        decode time, the interval the slowest one sets)."""
+        if objective == "max":
+            return pred_tpot
+        return {"ttft": pred_ttft, "tpot": pred_tpot}.get(wl.objective, pred_ttft + wl.gen_len * pred_tpot)
 
     def stage(k, a, b):
         p = stage_plan(k, a, b)

@@ -351,6 +351,50 @@ class Inputs(Strict):
     cli_args: CliArgs | None = Field(None, description="the compile request")
 
 
+# -- several GPUs --------------------------------------------------------------------------------
+
+class StageTiers(Strict):
+    gpu: Count = Field(description="blocks resident in this stage's GPU")
+    stream: Count = Field(description="blocks streamed to it")
+    cpu: Count = Field(description="blocks computed on the CPU")
+
+
+class PipelineStage(Strict):
+    gpu: count(1023) = Field(description="index into hardware.gpus")
+    layers: Annotated[list[Count], Field(min_length=2, max_length=2)] = Field(description="[first, end) layers")
+    ttft_s: Seconds = Field(description="the stage's prefill time")
+    tpot_s: Seconds = Field(description="the stage's decode time per token")
+    gpu_bytes: Bytes = Field(description="bytes on its GPU")
+    cpu_bytes: Bytes = Field(description="bytes of its blocks in DRAM")
+    weights: StageTiers = Field(description="its blocks per weights tier")
+
+
+class PipelineLink(Strict):
+    from_gpu: count(1023) = Field(description="the stage handing on")
+    to_gpu: count(1023) = Field(description="the stage receiving")
+    kind: Literal["nvlink", "nvswitch", "pcie", "host"] = Field(description="the link between them")
+    prefill_s: Seconds = Field(description="the prompt's hidden state across it")
+    decode_s: Seconds = Field(description="one token's hidden state across it")
+
+
+class PipelinePredicted(Strict):
+    ttft_s: Seconds = Field(description="every stage's prefill and link in turn")
+    tpot_s: Seconds = Field(description="every stage's decode and link in turn")
+    latency_s: Seconds = Field(description="ttft + gen_len x tpot")
+    decode_tokens_per_s: TokenRate = Field(description="batch / tpot")
+    prefill_tokens_per_s: TokenRate = Field(description="batch x prompt_len / ttft")
+    pipelined_decode_tokens_per_s: TokenRate = Field(
+        description="batch / the slowest stage or link: micro-batches filling every stage")
+
+
+class Pipeline(Strict):
+    objective: Literal["sum", "max"] = Field(description="sum (stages in turn) or max (the slowest)")
+    stages: Annotated[list[PipelineStage], Field(min_length=1, max_length=1024)] = Field(
+        description="contiguous layer ranges, in order")
+    links: Annotated[list[PipelineLink], Field(max_length=1023)] = Field(description="between consecutive stages")
+    predicted: PipelinePredicted = Field(description="what the pipeline should achieve")
+
+
 class PlanFile(Strict):
     schema_version: Literal[SCHEMA_VERSION] = Field(description="format version")
     digest: Fingerprint | None = Field(None, description="sha256 of the rest (detects edits)")
@@ -366,6 +410,8 @@ class PlanFile(Strict):
     inputs: Inputs = Field(default_factory=Inputs, description="what it was compiled from")
     cpu_attention_bytes_per_cache_byte: quantity("bytes/byte", 64.0, 1.0) = Field(
         1.0, description="DRAM bytes a CPU decode attention moves per KV byte read (written when not 1)")
+    pipeline: Pipeline | None = Field(None, description="the stages over several GPUs (written for a node "
+                                      "with several); the rest of the file is the single-GPU plan of GPU 0")
 
     @model_validator(mode="after")
     def _blocks_agree(self):
@@ -392,5 +438,7 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("predicted", Predicted), ("predicted.bottleneck", Bottleneck),
             ("schedule", Schedule), ("schedule.prefill, schedule.decode", PhaseSchedule), ("schedule.*.tasks[]", Task),
             ("inputs", Inputs), ("inputs.cli_args", CliArgs),
+            ("pipeline", Pipeline), ("pipeline.stages[]", PipelineStage), ("pipeline.stages[].weights", StageTiers),
+            ("pipeline.links[]", PipelineLink), ("pipeline.predicted", PipelinePredicted),
             ("inputs.cli_args.routing", Routing))
 """Where each model sits in a plan, for the README's key table (``a, b``: both places)."""
