@@ -90,3 +90,22 @@ def test_a_slice_keeps_a_dense_prefix_where_it_falls():
     assert slice_model(spec, 0, 3).first_dense_layers == 2
     assert slice_model(spec, 1, 3).first_dense_layers == 1
     assert slice_model(spec, 3, 6).first_dense_layers == 0
+
+
+def test_the_throughput_pipeline_minimises_its_slowest_stage():
+    spec = tiny_spec(n_layers=4)
+    hw = two_gpus(3 / 1024)
+    wl = dataclasses.replace(WL, objective="throughput")
+    pp = plan_pipeline(spec, hw, wl, SOLVE, objective="max")
+    decode_link = 256 * 2 / (8e9 * 0.9) + 10e-6
+    slowest = {}
+    for k in (0, 1):  # one GPU alone
+        alone = SOLVE(stage_problem(spec, hw, wl, k, 0, 4))
+        if alone is not None:
+            slowest[("alone", k)] = alone.predicted["tpot_s"]
+    for s in range(1, 4):  # every two-stage split
+        a = SOLVE(stage_problem(spec, hw, wl, 0, 0, s))
+        b = SOLVE(stage_problem(spec, hw, wl, 1, s, 4))
+        if a is not None and b is not None:
+            slowest[s] = max(a.predicted["tpot_s"], b.predicted["tpot_s"], decode_link)
+    assert 1 / pp.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(min(slowest.values()), rel=1e-9)
