@@ -66,19 +66,28 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         def cost(a):
             return combine(objective, best(a, j)[0], l, stage(k, a, b))
 
+        def bound(lo, hi):
+            return combine(objective, best(lo, j)[0], l, stage(k, hi, b))
+
+        def consider(a, top):
+            c = cost(a)
+            return (c, best(a, j)[1] + ((k, a, b),)) if c < top[0] else top
+
         pending = [(1, b - 1)] if b > 1 else []
         while pending:
             lo, hi = pending.pop()
-            if combine(objective, best(lo, j)[0], l, stage(k, hi, b)) >= top[0]:
+            if bound(lo, hi) >= top[0]:
                 continue
             if hi - lo <= 1:
                 for a in sorted({lo, hi}):
-                    c = cost(a)
-                    if c < top[0]:
-                        top = (c, best(a, j)[1] + ((k, a, b),))
+                    top = consider(a, top)
                 continue
+            # the middle split is priced anyway by its halves' bounds: take it as a candidate,
+            # then search the half with the lower bound first
             mid = (lo + hi) // 2
-            pending += [(mid, hi), (lo, mid)]
+            top = consider(mid, top)
+            halves = sorted([(lo, mid), (mid, hi)], key=lambda h: -bound(*h))
+            pending += halves
         return top
 
     cost, stages = min((best(n_layers, k) for k in range(n_gpus)), key=lambda c: c[0])
