@@ -84,3 +84,20 @@ def test_a_two_stage_pipeline_replays_to_its_hand_derived_makespan():
     # the bottleneck first: stage 3 s, then 2 s: 3 + 0.5 + 2 = 5.5 s, then +3 s each
     assert pipeline_makespan_s([3.0, 0.5, 2.0], 4) == pytest.approx(14.5)
     assert pipeline_makespan_s([1.0, 0.1, 1.0], 1) == pytest.approx(2.1)
+
+
+def test_the_branch_and_bound_leaves_splits_unpriced_and_still_finds_the_best():
+    # 40 equal layers, two equal GPUs holding 25 layers each: every split from 15/25 to 25/15
+    # costs the same, the rest do not fit; the DP must not price all 79 one-cut stages
+    priced = set()
+
+    def stage(k, a, b):
+        priced.add((k, a, b))
+        return math.inf if b - a > 25 else float(b - a)
+
+    split = best_split(40, 2, stage, lambda j, k: 0.25, "sum")
+    # what a caller solves: one problem per (layer count, holds embed, holds head)
+    solved = {(b - a, a == 0, b == 40) for _, a, b in priced}
+    assert len(solved) < 2 * 39 + 1  # a full scan: 39 first stages, 39 last stages, one whole
+    assert split.cost_s == pytest.approx(brute_force(40, 2, stage, lambda j, k: 0.25, "sum"))
+    assert split.cost_s == pytest.approx(40.25)
