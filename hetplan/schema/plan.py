@@ -269,8 +269,6 @@ class Bottleneck(Strict):
     decode: Resource = Field(description="busiest resource in decode")
 
 
-
-
 class Predicted(Strict):
     ttft_s: Seconds = Field(description="time to first token")
     tpot_s: Seconds = Field(description="time per output token")
