@@ -121,8 +121,6 @@ def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
                                f"{dev.name} of node {hw.name!r} has ({format_bytes(dev.memory_bytes)} in all); "
                                f"give at most that, or describe the real machine in a node.yaml")
     hw = hw.with_budgets(gpu_mem, cpu_mem)
-    if len(hw.gpus) > 1:
-        req.notes.append(multi_gpu_note(hw))
     dtype = None if req.weight_dtype == "auto" else req.weight_dtype
     spec = load_model(req.model, dtype, req.kv_dtype)
     if "gguf" in spec.extra:
@@ -131,10 +129,27 @@ def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
     return spec, hw
 
 
-def multi_gpu_note(hw: HardwareSpec) -> str:
-    """What a plan of a node with several GPUs covers (plans span one GPU for now)."""
-    return (f"node {hw.name!r} has {len(hw.gpus)} GPUs; plans use only the first ({hw.gpu.name}): "
-            f"the others stay idle")
+def with_pipeline(plan: Plan, req: CompileRequest) -> Plan:
+    """On a node with several GPUs: ``plan`` (GPU 0 alone) with the pipeline over all of them
+    (``hetplan.pipeline``) beside it, each stage solved by the ILP; a note says how the two
+    compare, or why there is no pipeline."""
+    from hetplan.pipeline import plan_pipeline
+
+    hw = plan.hardware
+    try:
+        with progress.step(f"choosing pipeline stages over the {len(hw.gpus)} GPUs"):
+            pp = plan_pipeline(plan.model, hw, plan.workload, stage_solver(req),
+                               "max" if req.objective == "throughput" else "sum")
+    except HetplanError as e:  # InfeasibleError included: GPU 0's plan stands alone
+        req.notes.append(f"node {hw.name!r} has {len(hw.gpus)} GPUs, but no pipeline over them: {e}; the plan "
+                         f"uses GPU 0 only")
+        return plan
+    pred = pp.predicted()
+    used = ", ".join(f"GPU {s.gpu} layers {s.first_layer}-{s.end_layer - 1}" for s in pp.stages)
+    req.notes.append(f"pipeline over {len(pp.stages)} of {len(hw.gpus)} GPUs ({used}): decode "
+                     f"{pred['decode_tokens_per_s']:.3g} tok/s, {pred['decode_tokens_per_s'] / plan.predicted['decode_tokens_per_s']:.2f}x "
+                     f"GPU 0 alone; recorded in the plan's 'pipeline' (hetplan exec runs GPU 0's plan)")
+    return dataclasses.replace(plan, pipeline=pp.to_dict())
 
 
 PLAN_STATUSES = ("optimal", "node_limit", "time_limit", "interrupted")
@@ -214,6 +229,20 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     return dec, info, res.solve_seconds
 
 
+def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = None):
+    """The single-GPU planner one pipeline stage is priced with (``hetplan.pipeline``): a
+    problem -> its Plan under ``strategy``, or None when nothing fits."""
+    def solve(problem: Problem) -> Plan | None:
+        if not fits_at_all(problem):
+            return None
+        dec, info, _ = decide(problem, strategy, arg, req)
+        if dec is None:
+            return None
+        plan = make_plan(problem, dec, info)
+        return plan if fits(plan) else None
+    return solve
+
+
 def _at_least_baselines(problem: Problem, dec, info, baseline: tuple, regap: bool = True):
     """``dec``, or the best fitting baseline (``baselines.best_fitting``) when it replays
     better; ``regap``: the MIP gap restated against the replayed objective."""
@@ -266,6 +295,8 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
         if tried:
             raise InfeasibleError(tried + str(e)) from None
         raise
+    if len(hw.gpus) > 1 and strategy == "ilp":
+        plan = with_pipeline(plan, req)
     return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
 
 

@@ -138,3 +138,13 @@ def embed_work(tokens: int, spec: ModelSpec) -> Work:
     wb = 2.0 if spec.weight_dtype in QUANTISED else spec.weight_bytes_per_param
     return Work(flops=0.0, bytes=tokens * spec.hidden * (wb + activation_bytes_per_elem(spec)),
                 op="embed", tokens=tokens)
+
+
+def peer_seconds(nbytes: float, hw: HardwareSpec, a: int, b: int) -> float:
+    """Activations from GPU ``a`` to GPU ``b``: over a peer link (NVLink, NVSwitch, PCIe
+    peer-to-peer) ``t = bytes / (bw * eff_link) + latency``; through the host, a copy out and
+    one back in, ``t = d2h_seconds(bytes) + h2d_seconds(bytes)``."""
+    link = hw.peer(a, b)
+    if link.kind == "host":
+        return d2h_seconds(nbytes, hw) + h2d_seconds(nbytes, hw)
+    return nbytes / (link.bytes_per_s * hw.efficiency["link"]) + hw.latency_s["link_task"]

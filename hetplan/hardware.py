@@ -36,6 +36,8 @@ class DeviceSpec:
     cores: int = 0
     device_class: str = ""
     """consumer / datacenter (GPU), desktop / server (CPU): where the default constants came from."""
+    numa: int | None = None
+    """The CPU socket a GPU hangs off (None: not stated)."""
 
     def peak_flops(self, dtype: str) -> float:
         """Peak for ``dtype``; bf16 falls back to fp16 and vice versa, then to fp32, then to the
@@ -45,6 +47,17 @@ class DeviceSpec:
                 return self.flops_per_s[key]
         planned = [v for k, v in self.flops_per_s.items() if k in ("fp32", "fp16", "bf16")]
         return max(planned or self.flops_per_s.values())
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """How GPUs ``a`` and ``b`` (indices into ``HardwareSpec.gpus``) exchange activations."""
+    a: int
+    b: int
+    kind: str
+    """nvlink, nvswitch, pcie (peer-to-peer) or host (through DRAM)."""
+    bytes_per_s: float | None = None
+    """One direction's bandwidth; None for host (priced over d2h then h2d)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,8 @@ class HardwareSpec:
     price_per_hour: float | None = None
     profile: str | None = None
     """Path of a measured per-op profile (node.profile.json), relative to the node.yaml."""
+    peers: tuple = ()
+    """PeerLinks between GPUs; a pair not listed goes through the host."""
 
     @property
     def gpu(self) -> DeviceSpec | None:
@@ -85,14 +100,36 @@ class HardwareSpec:
             hw = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, memory_bytes=cpu_mem + hw.cpu_reserve_bytes))
         return hw
 
+    def peer(self, a: int, b: int) -> PeerLink:
+        """The link between GPUs ``a`` and ``b`` (the last entry naming the pair wins), or a
+        host link when none does."""
+        found = PeerLink(a, b, "host")
+        for link in self.peers:
+            if {link.a, link.b} == {a, b}:
+                found = link
+        return found
+
+    def single_gpu(self, k: int) -> "HardwareSpec":
+        """This node with GPU ``k`` as its only GPU: what one pipeline stage is planned on."""
+        return dataclasses.replace(self, gpus=(self.gpus[k],), peers=())
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """As a plan records it; the multi-GPU keys (``peers``, a GPU's ``numa``) only where set,
+        so single-GPU plans read as before."""
+        d = dataclasses.asdict(self)
+        if not d["peers"]:
+            d.pop("peers")
+        for dev in [*d["gpus"], d["cpu"]]:
+            if dev["numa"] is None:
+                dev.pop("numa")
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         d = dict(d)
         d["gpus"] = tuple(DeviceSpec(**g) for g in d["gpus"])
         d["cpu"] = DeviceSpec(**d["cpu"])
+        d["peers"] = tuple(PeerLink(**p) for p in d.get("peers", ()))
         return cls(**d)
 
 
@@ -112,7 +149,13 @@ def parse_node(raw, source: str = "node.yaml", text: str | None = None) -> Hardw
     def device(d) -> DeviceSpec:
         flops = {k: v for k, v in d.flops.model_dump().items() if v is not None}
         return DeviceSpec(name=d.name, memory_bytes=int(round(d.memory)), mem_bytes_per_s=d.mem_bandwidth,
-                          flops_per_s=flops, cores=d.cores, device_class=d.device_class)
+                          flops_per_s=flops, cores=d.cores, device_class=d.device_class,
+                          numa=getattr(d, "numa", None))
+
+    def peers(p) -> tuple:
+        pairs = ([(a, b) for a in range(len(node.gpus)) for b in range(a + 1, len(node.gpus))]
+                 if p.between == "all" else [tuple(p.between)])
+        return tuple(PeerLink(a, b, p.kind, p.bandwidth) for a, b in pairs)
 
     links = node.links
     efficiency, latency = class_defaults(node.gpus[0].device_class if node.gpus else "consumer",
@@ -126,7 +169,8 @@ def parse_node(raw, source: str = "node.yaml", text: str | None = None) -> Hardw
         d2h_bytes_per_s=(links.d2h or links.h2d) if links else 1.0,
         gpu_reserve_bytes=int(round(node.reserve.gpu)), cpu_reserve_bytes=int(round(node.reserve.cpu)),
         efficiency=efficiency, latency_s=latency,
-        price_per_hour=node.price.per_hour if node.price else None, profile=node.profile)
+        price_per_hour=node.price.per_hour if node.price else None, profile=node.profile,
+        peers=tuple(link for p in node.peers for link in peers(p)))
 
 
 def load_node(source: str) -> HardwareSpec:

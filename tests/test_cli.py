@@ -257,7 +257,8 @@ def test_readme_node_table_matches_the_presets():
     for name, text in NODE_PRESETS.items():
         node = yaml.safe_load(text)
         gpu = (node.get("gpus") or [None])[0]
-        assert rows[name][2] == (gpu["memory"] if gpu else "-"), name
+        each = " each" if len(node.get("gpus") or []) > 1 else ""
+        assert rows[name][2] == (gpu["memory"] + each if gpu else "-"), name
         assert rows[name][5:7] == [node["cpu"]["memory"], node["cpu"]["mem_bandwidth"]], name
 
 

@@ -152,7 +152,12 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                f"({p['decode_tokens_per_s']:.2f} tok/s), {memory}  [{plan.model.weight_dtype} weights, "
                f"batch {plan.workload.batch}, {s['strategy']}, {s['status']}{gap}, "
                f"compiled in {took.wall_s:.2f} s, {took.cpu_s:.2f} s CPU]")
-    if len(plan.hardware.gpus) > 1:
+    if plan.pipeline is not None:
+        pp = plan.pipeline["predicted"]
+        click.echo(f"  pipeline over {len(plan.pipeline['stages'])} of {len(plan.hardware.gpus)} GPUs: TTFT "
+                   f"{format_seconds(pp['ttft_s'])}, TPOT {format_seconds(pp['tpot_s'])} "
+                   f"({pp['decode_tokens_per_s']:.2f} tok/s; the figures before are GPU 0 alone)")
+    elif len(plan.hardware.gpus) > 1:
         click.echo(f"  only the first of {len(plan.hardware.gpus)} GPUs is planned ({plan.hardware.gpu.name})")
     if rows is not None:
         from hetplan.plan.report import compare_table

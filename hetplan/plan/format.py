@@ -127,6 +127,9 @@ class Plan:
     inputs: dict = field(default_factory=dict)
     cpu_attention_bytes_per_cache_byte: float = 1.0
     """``Decision.cpu_attention_bytes_per_cache_byte``; in plan.json only when it is not 1."""
+    pipeline: dict | None = None
+    """On a node with several GPUs: the stages over them (``hetplan.pipeline.PipelinePlan.to_dict``),
+    beside the single-GPU plan the rest of the file describes; in plan.json only when set."""
 
     def decision(self) -> Decision:
         return Decision(weights={p["block"]: p["weights"] for p in self.placement},
@@ -156,6 +159,8 @@ class Plan:
         }
         if self.cpu_attention_bytes_per_cache_byte != 1.0:
             d["cpu_attention_bytes_per_cache_byte"] = self.cpu_attention_bytes_per_cache_byte
+        if self.pipeline is not None:
+            d["pipeline"] = self.pipeline
         return d
 
     def to_json(self) -> str:
@@ -186,7 +191,8 @@ class Plan:
                        workload=Workload(**d["workload"]), solver=d["solver"],
                        placement=tuple(d["placement"]), staging=d["staging"], memory=d["memory"],
                        predicted=d["predicted"], schedule=sched, inputs=d.get("inputs", {}),
-                       cpu_attention_bytes_per_cache_byte=d.get("cpu_attention_bytes_per_cache_byte", 1.0))
+                       cpu_attention_bytes_per_cache_byte=d.get("cpu_attention_bytes_per_cache_byte", 1.0),
+                       pipeline=d.get("pipeline"))
         except HetplanError as e:
             raise HetplanError(f"{source}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:

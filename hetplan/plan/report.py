@@ -172,7 +172,9 @@ def header_lines(plan: Plan) -> list:
             + (f" in {wl.n_chunks} chunks of {wl.chunk_len}" if wl.n_chunks > 1 else "")
             + f", generate {wl.gen_len}, objective {wl.objective}",
             solver_line(plan), staging] + (
-        [f"note: only the first of the node's {len(hw.gpus)} GPUs ({hw.gpus[0].name}) is planned; the others stay idle"]
+        [f"note: the placement and schedule below are GPU 0 ({hw.gpus[0].name}) alone; "
+         + ("the pipeline over the node's GPUs follows them" if plan.pipeline is not None
+            else f"the node's other {len(hw.gpus) - 1} GPU(s) stay idle")]
         if len(hw.gpus) > 1 else []) + (
         [f"cpu attention: moves {plan.cpu_attention_bytes_per_cache_byte:g} bytes per byte of KV cache it reads "
          f"(the tool this plan follows copies the cache first)"]
@@ -184,8 +186,29 @@ def render_show(plan: Plan) -> str:
     sections = ["\n".join(header_lines(plan)), "placement\n" + block_table(plan),
                 "memory\n" + memory_table(plan), "predicted\n" + prediction_table(plan) + "\n" +
                 "\n".join(rates_lines(plan))]
+    if plan.pipeline is not None:
+        sections.append(pipeline_section(plan))
     return "\n\n".join(sections) + "\n"
 
+
+def pipeline_section(plan: Plan) -> str:
+    """The stages over several GPUs, their links, and the pipeline's rates against GPU 0 alone."""
+    pp = plan.pipeline
+    rows = [[f"GPU {s['gpu']} ({plan.hardware.gpus[s['gpu']].name})", f"{s['layers'][0]}-{s['layers'][1] - 1}",
+             "/".join(str(s["weights"][t]) for t in ("gpu", "stream", "cpu")), format_bytes(s["gpu_bytes"]),
+             format_seconds(s["ttft_s"]), format_seconds(s["tpot_s"])] for s in pp["stages"]]
+    rows += [[f"link {l['from_gpu']}->{l['to_gpu']} ({l['kind']})", "", "", "", format_seconds(l["prefill_s"]),
+              format_seconds(l["decode_s"])] for l in pp["links"]]
+    table = format_table(["stage", "layers", "blocks gpu/stream/cpu", "GPU mem", "TTFT", "TPOT"], rows,
+                         right={3, 4, 5})
+    p, one = pp["predicted"], plan.predicted
+    return (f"pipeline over {len(pp['stages'])} of {len(plan.hardware.gpus)} GPUs (the rest of this plan is "
+            f"GPU 0 alone, what hetplan exec runs)\n{table}\n"
+            f"  TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])}: decode "
+            f"{p['decode_tokens_per_s']:.2f} tok/s ({p['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f}x GPU 0 "
+            f"alone), prefill {p['prefill_tokens_per_s']:.1f} tok/s "
+            f"({p['prefill_tokens_per_s'] / one['prefill_tokens_per_s']:.2f}x); with micro-batches in every stage "
+            f"{p['pipelined_decode_tokens_per_s']:.2f} tok/s")
 
 # -- compare table ---------------------------------------------------------------------------
 

@@ -81,6 +81,70 @@ cpu: {name: EPYC 9654 (64 cores), class: server, cores: 64, memory: 512GiB, mem_
 links: {h2d: 25GB/s, d2h: 25GB/s}
 reserve: {gpu: 1GiB, cpu: 16GiB}
 """,
+    # Workstation: two RTX 3090 (the rtx3090-128g card) without NVLink, each on PCIe 4.0 x8
+    # (x8/x8 bifurcation: ~12.5 GB/s pinned each way, half of x16), peer-to-peer over the same
+    # lanes; Ryzen 9 5950X, 128 GiB DDR4-3200 dual channel.
+    "2x3090-128g": """
+name: 2x3090-128g
+gpus:
+  - {name: RTX 3090, class: consumer, memory: 24GiB, mem_bandwidth: 936GB/s, numa: 0,
+     flops: {fp16: 71TFLOPS, bf16: 71TFLOPS, fp32: 35.6TFLOPS}}
+  - {name: RTX 3090, class: consumer, memory: 24GiB, mem_bandwidth: 936GB/s, numa: 0,
+     flops: {fp16: 71TFLOPS, bf16: 71TFLOPS, fp32: 35.6TFLOPS}}
+cpu: {name: Ryzen 9 5950X, class: desktop, cores: 16, memory: 128GiB, mem_bandwidth: 51.2GB/s,
+      flops: {fp32: 1.0TFLOPS, bf16: 1.0TFLOPS}}
+links: {h2d: 12.5GB/s, d2h: 12.5GB/s}
+peers: [{between: [0, 1], kind: pcie, bandwidth: 12.5GB/s}]
+reserve: {gpu: 1GiB, cpu: 4GiB}
+""",
+    # Server: four A100 80 GB SXM (2039 GB/s, 312 TFLOPS bf16) fully connected by NVLink 3
+    # (300 GB/s per direction), two EPYC 7763 sockets (GPUs 0-1 on socket 0, 2-3 on socket 1),
+    # 1 TiB of 16-channel DDR4-3200, PCIe 4.0 x16 to each GPU.
+    "4xa100-80g": """
+name: 4xa100-80g
+gpus:
+  - {name: A100-SXM4-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 2039GB/s, numa: 0,
+     flops: {bf16: 312TFLOPS, fp16: 312TFLOPS, fp32: 19.5TFLOPS}}
+  - {name: A100-SXM4-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 2039GB/s, numa: 0,
+     flops: {bf16: 312TFLOPS, fp16: 312TFLOPS, fp32: 19.5TFLOPS}}
+  - {name: A100-SXM4-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 2039GB/s, numa: 1,
+     flops: {bf16: 312TFLOPS, fp16: 312TFLOPS, fp32: 19.5TFLOPS}}
+  - {name: A100-SXM4-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 2039GB/s, numa: 1,
+     flops: {bf16: 312TFLOPS, fp16: 312TFLOPS, fp32: 19.5TFLOPS}}
+cpu: {name: 2x EPYC 7763, class: server, cores: 128, sockets: 2, memory: 1TiB, mem_bandwidth: 409.6GB/s,
+      flops: {fp32: 5.0TFLOPS, bf16: 5.0TFLOPS}}
+links: {h2d: 25GB/s, d2h: 25GB/s}
+peers: [{between: all, kind: nvlink, bandwidth: 300GB/s}]
+reserve: {gpu: 1GiB, cpu: 16GiB}
+""",
+    # Server: eight H100 80 GB SXM (3350 GB/s, 989 TFLOPS bf16 dense) on NVSwitch (NVLink 4,
+    # 450 GB/s per direction between any pair), two Xeon 8480+ sockets (GPUs 0-3 on socket 0),
+    # 2 TiB DDR5-4800 (16 channels), PCIe 5.0 x16 to each GPU.
+    "8xh100": """
+name: 8xh100
+gpus:
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 0,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 0,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 0,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 0,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 1,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 1,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 1,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+  - {name: H100-SXM5-80GB, class: datacenter, memory: 80GB, mem_bandwidth: 3350GB/s, numa: 1,
+     flops: {bf16: 989TFLOPS, fp16: 989TFLOPS, fp32: 67TFLOPS}}
+cpu: {name: 2x Xeon 8480+, class: server, cores: 112, sockets: 2, memory: 2TiB, mem_bandwidth: 614.4GB/s,
+      flops: {fp32: 6.0TFLOPS, bf16: 12.0TFLOPS}}
+links: {h2d: 50GB/s, d2h: 50GB/s}
+peers: [{between: all, kind: nvswitch, bandwidth: 450GB/s}]
+reserve: {gpu: 2GiB, cpu: 32GiB}
+""",
     # A machine with no GPU: every plan is all-CPU (what `hetplan profile` writes on one).
     "cpu-64g": """
 name: cpu-64g

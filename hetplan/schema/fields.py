@@ -59,6 +59,7 @@ Text = Annotated[str, AfterValidator(_not_blank)]
 
 Bytes = quantity("bytes", BYTES_MAX)
 Seconds = quantity("s", SECONDS_MAX)
+TokenRate = quantity("tokens/s", 1e12)
 MemRate = quantity("bytes/s", MEM_BYTES_PER_S_MAX, low_open=True)
 LinkRate = quantity("bytes/s", LINK_BYTES_PER_S_MAX, low_open=True)
 FlopRate = quantity("FLOP/s", FLOPS_MAX, low_open=True)

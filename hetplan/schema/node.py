@@ -98,6 +98,9 @@ class Gpu(_Strict):
     mem_bandwidth: MemBandwidth = Field(description="HBM bandwidth")
     flops: Flops = Field(description="peak rates by dtype")
     cores: Annotated[int, Field(ge=0, le=100000)] = Field(0, description="SMs (recorded, not planned with)")
+    numa: Annotated[int, Field(ge=0, le=63)] | None = Field(
+        None, description="the CPU socket (NUMA node) whose DRAM and PCIe root the GPU hangs off "
+        "(recorded, not planned with)")
 
 
 class Cpu(_Strict):
@@ -106,6 +109,8 @@ class Cpu(_Strict):
         "desktop", alias="class", description="desktop (dual-channel DRAM) or server (Xeon, EPYC; "
         "several channels or sockets): selects the default `cpu_*` efficiencies and latency")
     cores: Annotated[int, Field(ge=0, le=4096)] = Field(0, description="physical cores")
+    sockets: Annotated[int, Field(ge=1, le=64)] = Field(1, description="CPU sockets (NUMA nodes); "
+                                                         "a GPU's `numa` names one of them")
     memory: CpuMemory = Field(description="total DRAM; the reserve is subtracted")
     mem_bandwidth: MemBandwidth = Field(description="DRAM bandwidth (STREAM-class)")
     flops: Flops = Field(description="peak rates by dtype")
@@ -114,6 +119,32 @@ class Cpu(_Strict):
 class Links(_Strict):
     h2d: LinkBandwidth = Field(description="pinned host-to-device copy bandwidth")
     d2h: LinkBandwidth | None = Field(None, description="device-to-host; defaults to h2d")
+
+
+PeerBandwidth = _unit("a bandwidth", 1e6, 2 * _TB, "no GPU-GPU link is faster than about 900 GB/s "
+                      "per direction (NVLink 5)")
+
+
+class Peer(_Strict):
+    """How two GPUs (or every pair, ``between: all``) exchange activations: NVLink or NVSwitch,
+    PCIe peer-to-peer, or through host memory (a copy out over d2h and back in over h2d). A
+    pair no entry names goes through the host."""
+    between: Annotated[list[Annotated[int, Field(ge=0, le=1023)]], Field(min_length=2, max_length=2)] | Literal["all"] = Field(
+        description="two indices into `gpus` (`[0, 1]`), or `all` for every pair")
+    kind: Literal["nvlink", "nvswitch", "pcie", "host"] = Field(
+        description="nvlink / nvswitch / pcie (peer-to-peer), or host (staged through DRAM)")
+    bandwidth: PeerBandwidth | None = Field(None, description="one direction's bandwidth; required "
+                                            "unless kind is host")
+
+    @model_validator(mode="after")
+    def _bandwidth_given(self):
+        if self.kind != "host" and self.bandwidth is None:
+            raise ValueError(f"a {self.kind} link needs a bandwidth (e.g. bandwidth: 25GB/s)")
+        if self.kind == "host" and self.bandwidth is not None:
+            raise ValueError("a host link takes no bandwidth: it is priced over links.d2h and links.h2d")
+        if isinstance(self.between, list) and self.between[0] == self.between[1]:
+            raise ValueError(f"between: {self.between} names one GPU twice; a link joins two GPUs")
+        return self
 
 
 class Reserves(_Strict):
@@ -149,9 +180,11 @@ class Price(_Strict):
 class Node(_Strict):
     name: Text | None = Field(None, description="shown in plans (default: the file's name)")
     gpus: list[Gpu] = Field(default_factory=list, description="empty or absent: a CPU-only node; "
-                            "plans use the first GPU only")
+                            "with several, plans run them as pipeline stages")
     cpu: Cpu = Field(description="the host")
     links: Links | None = Field(None, description="required when there is a GPU")
+    peers: list[Peer] = Field(default_factory=list, description="GPU-to-GPU links (several GPUs); "
+                              "a pair not listed goes through the host")
     reserve: Reserves = Field(default_factory=Reserves, description="memory kept free per tier")
     efficiency: Efficiency = Field(default_factory=Efficiency, description="achieved fraction of each peak")
     latency: Latency = Field(default_factory=Latency, description="per-task fixed costs")
@@ -162,16 +195,27 @@ class Node(_Strict):
     def _consistent(self):
         if self.gpus and self.links is None:
             raise ValueError("a node with a GPU needs 'links' (e.g. links: {h2d: 25GB/s})")
-        if self.gpus and self.reserve.gpu >= self.gpus[0].memory:
+        smallest = min((g.memory for g in self.gpus), default=None)
+        if self.gpus and self.reserve.gpu >= smallest:
             raise ValueError(f"reserve.gpu ({format_bytes(self.reserve.gpu)}) leaves nothing of the GPU's "
-                             f"{format_bytes(self.gpus[0].memory)}; lower it")
+                             f"{format_bytes(smallest)}; lower it")
+        for i, peer in enumerate(self.peers):
+            for g in peer.between if isinstance(peer.between, list) else ():
+                if g >= len(self.gpus):
+                    raise ValueError(f"peers[{i}].between names GPU {g}, but the node lists "
+                                     f"{len(self.gpus)} GPU(s) (indices 0..{len(self.gpus) - 1}); "
+                                     f"fix the index or add the GPU to 'gpus'")
+        for i, g in enumerate(self.gpus):
+            if g.numa is not None and g.numa >= self.cpu.sockets:
+                raise ValueError(f"gpus[{i}].numa is {g.numa}, but cpu.sockets is {self.cpu.sockets} "
+                                 f"(sockets 0..{self.cpu.sockets - 1}); fix numa or set cpu.sockets")
         if self.reserve.cpu >= self.cpu.memory:
             raise ValueError(f"reserve.cpu ({format_bytes(self.reserve.cpu)}) leaves nothing of the CPU's "
                              f"{format_bytes(self.cpu.memory)}; lower it")
         return self
 
 
-SECTIONS = (("", Node), ("gpus[]", Gpu), ("cpu", Cpu), ("*.flops", Flops), ("links", Links),
+SECTIONS = (("", Node), ("gpus[]", Gpu), ("cpu", Cpu), ("*.flops", Flops), ("links", Links), ("peers[]", Peer),
             ("reserve", Reserves), ("efficiency", Efficiency), ("latency", Latency), ("price", Price))
 """Where each model sits in a node.yaml (``gpus[]``: every item of the list)."""
 

@@ -19,8 +19,9 @@ from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.model import FAMILIES
 from hetplan.plan.format import RESOURCES, SCHEMA_VERSION, TIERS, WEIGHTS
 from hetplan.schema.fields import (MAX_NODES_MAX, TIME_LIMIT_MAX_S, Bytes, Count, Dim, Fingerprint, FlopRate,
-                                   Fraction, LinkRate, MemRate, Seconds, Strict, count, quantity)
+                                   Fraction, LinkRate, MemRate, Seconds, Strict, TokenRate, count, quantity)
 from hetplan.schema.config import RopeScaling
+from hetplan.schema.pipeline import Pipeline, PipelineLink, PipelinePredicted, PipelineStage, StageTiers
 from hetplan.schema.routing import Routing
 from hetplan.workload import OBJECTIVES
 
@@ -126,6 +127,14 @@ class Device(Strict):
     cores: count(100000) = Field(0, description="cores or SMs")
     device_class: Literal["", "consumer", "datacenter", "desktop", "server"] = Field(
         "", description="the class whose default constants the node took")
+    numa: count(63) | None = Field(None, description="CPU socket of a GPU (written when stated)")
+
+
+class PeerLink(Strict):
+    a: count(1023) = Field(description="index of one GPU")
+    b: count(1023) = Field(description="index of the other GPU")
+    kind: Literal["nvlink", "nvswitch", "pcie", "host"] = Field(description="how they exchange activations")
+    bytes_per_s: LinkRate | None = Field(None, description="one direction's bandwidth (None: through host)")
 
 
 class HwEfficiency(Strict):
@@ -154,6 +163,8 @@ class Hardware(Strict):
     latency_s: HwLatency = Field(description="per-task fixed costs")
     price_per_hour: quantity("$/h", 10000.0, low_open=True) | None = Field(None, description="machine cost")
     profile: Annotated[str, Field(max_length=4096)] | None = Field(None, description="node.profile.json path")
+    peers: Annotated[list[PeerLink], Field(max_length=2**19)] | None = Field(
+        None, description="GPU-to-GPU links (written for a node with several GPUs)")
 
 
 # -- what was decided and predicted -----------------------------------------------------------
@@ -258,9 +269,6 @@ class Bottleneck(Strict):
     decode: Resource = Field(description="busiest resource in decode")
 
 
-TokenRate = quantity("tokens/s", 1e12)
-
-
 class Predicted(Strict):
     ttft_s: Seconds = Field(description="time to first token")
     tpot_s: Seconds = Field(description="time per output token")
@@ -356,6 +364,8 @@ class PlanFile(Strict):
     inputs: Inputs = Field(default_factory=Inputs, description="what it was compiled from")
     cpu_attention_bytes_per_cache_byte: quantity("bytes/byte", 64.0, 1.0) = Field(
         1.0, description="DRAM bytes a CPU decode attention moves per KV byte read (written when not 1)")
+    pipeline: Pipeline | None = Field(None, description="the stages over several GPUs (written for a node "
+                                      "with several); the rest of the file is the single-GPU plan of GPU 0")
 
     @model_validator(mode="after")
     def _blocks_agree(self):
@@ -373,7 +383,8 @@ class PlanFile(Strict):
 
 SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling), ("model.extra", ModelExtra),
             ("model.extra.gguf", GgufRecord),
-            ("hardware", Hardware), ("hardware.gpus[], hardware.cpu", Device), ("*.flops_per_s", DeviceFlops),
+            ("hardware", Hardware), ("hardware.gpus[], hardware.cpu", Device),
+            ("hardware.peers[]", PeerLink), ("*.flops_per_s", DeviceFlops),
             ("hardware.efficiency", HwEfficiency), ("hardware.latency_s", HwLatency), ("workload", Workload),
             ("solver", Solver), ("solver.options", SolverOptions), ("solver.size", SolverSize),
             ("placement[]", Placement), ("placement[].exec", BlockExec), ("staging", Staging),
@@ -381,5 +392,7 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("predicted", Predicted), ("predicted.bottleneck", Bottleneck),
             ("schedule", Schedule), ("schedule.prefill, schedule.decode", PhaseSchedule), ("schedule.*.tasks[]", Task),
             ("inputs", Inputs), ("inputs.cli_args", CliArgs),
+            ("pipeline", Pipeline), ("pipeline.stages[]", PipelineStage), ("pipeline.stages[].weights", StageTiers),
+            ("pipeline.links[]", PipelineLink), ("pipeline.predicted", PipelinePredicted),
             ("inputs.cli_args.routing", Routing))
 """Where each model sits in a plan, for the README's key table (``a, b``: both places)."""

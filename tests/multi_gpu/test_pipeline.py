@@ -1,0 +1,111 @@
+"""Pipeline plans of tiny models on tiny two-GPU nodes: the chosen split against every split
+priced by the same single-GPU planner, the hand-derived link cost, and single-GPU nodes as
+before."""
+
+import dataclasses
+import math
+
+import pytest
+
+from hetplan.compiler import CompileRequest, stage_solver
+from hetplan.hardware import PeerLink
+from hetplan.pipeline import plan_pipeline, slice_model, stage_problem
+from hetplan.workload import Workload
+from tests.conftest import GIB, tiny_node, tiny_spec
+
+WL = Workload(batch=1, prompt_len=64, gen_len=16, objective="latency", prefill_chunk=64)
+SOLVE = stage_solver(CompileRequest(model="tiny", hw="tiny"))
+
+
+def two_gpus(gpu_gib: float, second_gib: float | None = None, link=PeerLink(0, 1, "pcie", 8e9)):
+    hw = tiny_node(gpu_gib)
+    second = dataclasses.replace(hw.gpu, memory_bytes=int((second_gib or gpu_gib) * GIB),
+                                 mem_bytes_per_s=250e9)
+    return dataclasses.replace(hw, gpus=(hw.gpu, second), peers=(link,) if link else ())
+
+
+def every_split_cost(spec, hw, wl):
+    """Brute force: GPU 0 alone, GPU 1 alone, or [0, s) on GPU 0 and [s, L) on GPU 1."""
+    L = spec.n_layers
+    link = {"prefill": wl.batch * wl.prompt_len * spec.hidden * 2, "decode": wl.batch * spec.hidden * 2}
+    costs = {}
+    for gpus, cuts in [((0,), (0, L)), ((1,), (0, L))] + [((0, 1), (0, s, L)) for s in range(1, L)]:
+        total = 0.0
+        for k, a, b in zip(gpus, cuts, cuts[1:]):
+            plan = SOLVE(stage_problem(spec, hw, wl, k, a, b))
+            total += math.inf if plan is None else plan.predicted["ttft_s"] + wl.gen_len * plan.predicted["tpot_s"]
+        if len(gpus) == 2:  # hand-derived: bytes / (8 GB/s x 0.9) + 10 us, each phase
+            total += link["prefill"] / (8e9 * 0.9) + 10e-6 + wl.gen_len * (link["decode"] / (8e9 * 0.9) + 10e-6)
+        costs[(gpus, cuts)] = total
+    return costs
+
+
+@pytest.mark.parametrize("gpu_mib, second_mib", [(3, 3), (4, 8), (100, 100), (2.5, 100)])
+def test_the_pipeline_is_the_cheapest_of_every_split(gpu_mib, second_mib):
+    spec = tiny_spec(n_layers=4)
+    hw = two_gpus(gpu_mib / 1024, second_mib / 1024)
+    costs = every_split_cost(spec, hw, WL)
+    pp = plan_pipeline(spec, hw, WL, SOLVE)
+    got = pp.predicted()["latency_s"]
+    assert got == pytest.approx(min(costs.values()), rel=1e-9)
+    key = (tuple(s.gpu for s in pp.stages), (0,) + tuple(s.end_layer for s in pp.stages))
+    assert costs[key] == pytest.approx(got, rel=1e-9)
+
+
+def test_a_gpu_too_small_for_the_model_splits_it_with_the_other():
+    spec = tiny_spec(n_layers=4)
+    hw = two_gpus(3 / 1024)  # ~3 MiB each: neither holds all four layers, together they do
+    pp = plan_pipeline(spec, hw, WL, SOLVE)
+    assert [s.gpu for s in pp.stages] == [0, 1]
+    assert all(s.plan.memory["gpu_bytes"] <= 3 * 2**20 for s in pp.stages)
+
+
+def test_the_link_between_stages_costs_bytes_over_bandwidth_plus_latency():
+    spec = tiny_spec(n_layers=4)
+    for link, per_byte in [(PeerLink(0, 1, "nvlink", 100e9), 1 / (100e9 * 0.9)),
+                           (None, 1 / (16e9 * 0.9) * 2)]:  # through the host: d2h, then h2d
+        hw = two_gpus(3 / 1024, link=link)
+        pp = plan_pipeline(spec, hw, WL, SOLVE)
+        latency = 10e-6 if link else 2 * 10e-6
+        (l,) = pp.links
+        assert l["prefill_s"] == pytest.approx(64 * 256 * 2 * per_byte + latency)
+        assert l["decode_s"] == pytest.approx(256 * 2 * per_byte + latency)
+        assert l["kind"] == (link.kind if link else "host")
+        ttft = sum(s.plan.predicted["ttft_s"] for s in pp.stages) + l["prefill_s"]
+        assert pp.predicted()["ttft_s"] == pytest.approx(ttft)
+
+
+def test_only_the_first_stage_holds_the_embedding_and_only_the_last_the_head():
+    spec = tiny_spec(n_layers=4)
+    pp = plan_pipeline(spec, two_gpus(3 / 1024), WL, SOLVE)
+    first, last = pp.stages[0].plan, pp.stages[-1].plan
+    held = [{p["block"] for p in s.plan.placement if p["weight_bytes"] > 0} for s in pp.stages]
+    assert "embed" in held[0] and "head" not in held[0]
+    assert "head" in held[-1] and "embed" not in held[-1]
+    assert first.model.n_layers + last.model.n_layers == 4
+
+
+def test_a_slice_keeps_a_dense_prefix_where_it_falls():
+    spec = tiny_spec(n_layers=6, n_experts=4, experts_per_token=2, moe_intermediate=128, first_dense_layers=2)
+    assert slice_model(spec, 0, 3).first_dense_layers == 2
+    assert slice_model(spec, 1, 3).first_dense_layers == 1
+    assert slice_model(spec, 3, 6).first_dense_layers == 0
+
+
+def test_the_throughput_pipeline_minimises_its_slowest_stage():
+    spec = tiny_spec(n_layers=4)
+    hw = two_gpus(3 / 1024)
+    wl = dataclasses.replace(WL, objective="throughput")
+    pp = plan_pipeline(spec, hw, wl, SOLVE, objective="max")
+    decode_link = 256 * 2 / (8e9 * 0.9) + 10e-6
+    slowest = {}
+    for k in (0, 1):  # one GPU alone
+        alone = SOLVE(stage_problem(spec, hw, wl, k, 0, 4))
+        if alone is not None:
+            slowest[("alone", k)] = alone.predicted["tpot_s"]
+    for s in range(1, 4):  # every two-stage split
+        a = SOLVE(stage_problem(spec, hw, wl, 0, 0, s))
+        b = SOLVE(stage_problem(spec, hw, wl, 1, s, 4))
+        if a is not None and b is not None:
+            slowest[s] = max(a.predicted["tpot_s"], b.predicted["tpot_s"], decode_link)
+    assert 1 / pp.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(min(slowest.values()), rel=1e-9)

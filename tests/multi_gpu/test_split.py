@@ -1,0 +1,103 @@
+"""Choosing pipeline stages: the DP against brute force over every split, on costs built by
+hand and on tiny two-GPU problems solved by the single-GPU planner."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from hetplan.solvers.pipeline import best_split
+from hetplan.pipeline import pipeline_makespan_s
+
+
+def brute_force(L, K, stage, link, objective):
+    """Every ordered choice of GPUs (in index order) and every cut of [0, L) among them."""
+    best = math.inf
+    for m in range(1, min(K, L) + 1):
+        for gpus in itertools.combinations(range(K), m):
+            for cuts in itertools.combinations(range(1, L), m - 1):
+                bounds = (0,) + cuts + (L,)
+                parts = [stage(g, a, b) for g, a, b in zip(gpus, bounds, bounds[1:])]
+                parts += [link(j, k) for j, k in zip(gpus, gpus[1:])]
+                best = min(best, sum(parts) if objective == "sum" else max(parts))
+    return best
+
+
+def monotone_costs(rng, L, K):
+    """Per layer seconds per GPU, a layer capacity per GPU, a fixed cost for holding the
+    embedding (first stage) and the head (last stage): monotone in the layer count."""
+    layer = [[rng.uniform(0.5, 2.0) for _ in range(L)] for _ in range(K)]
+    cap = [rng.randint(1, L) for _ in range(K)]
+    ends = [(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(K)]
+    links = {(j, k): rng.uniform(0, 1.5) for j in range(K) for k in range(K)}
+
+    def stage(k, a, b):
+        if b - a > cap[k]:
+            return math.inf
+        return sum(layer[k][a:b]) + (ends[k][0] if a == 0 else 0) + (ends[k][1] if b == L else 0)
+
+    return stage, lambda j, k: links[j, k]
+
+
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(40))
+def test_the_dp_finds_the_cheapest_split_that_brute_force_finds(seed, objective):
+    rng = random.Random(seed)
+    L, K = rng.randint(1, 7), rng.randint(1, 4)
+    stage, link = monotone_costs(rng, L, K)
+    split = best_split(L, K, stage, link, objective)
+    want = brute_force(L, K, stage, link, objective)
+    if want == math.inf:
+        assert split is None
+        return
+    assert split.cost_s == pytest.approx(want, rel=1e-12)
+    # the stages it names cover the layers in order and cost what it says
+    bounds = [(a, b) for _, a, b in split.stages]
+    assert bounds[0][0] == 0 and bounds[-1][1] == L and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
+    gpus = [k for k, _, _ in split.stages]
+    assert gpus == sorted(set(gpus))
+    parts = [stage(*s) for s in split.stages] + [link(j, k) for j, k in zip(gpus, gpus[1:])]
+    assert (sum(parts) if objective == "sum" else max(parts)) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_small_fast_gpu_takes_what_it_holds_and_the_slow_one_the_rest():
+    # GPU 0: 1 s a layer, holds 2 layers; GPU 1: 2 s a layer, holds all 4; link 0.5 s.
+    # Splits: GPU 1 alone 8 s; [0,1)+[1,4) 1+0.5+6 = 7.5 s; [0,2)+[2,4) 2+0.5+4 = 6.5 s.
+    def stage(k, a, b):
+        return math.inf if k == 0 and b - a > 2 else (b - a) * (1.0 if k == 0 else 2.0)
+
+    split = best_split(4, 2, stage, lambda j, k: 0.5, "sum")
+    assert split.stages == ((0, 0, 2), (1, 2, 4)) and split.cost_s == pytest.approx(6.5)
+    # throughput: the slowest stage; [0,2)+[2,4) is max(2, 0.5, 4) = 4, GPU 1 alone 8
+    assert best_split(4, 2, stage, lambda j, k: 0.5, "max").cost_s == pytest.approx(4.0)
+
+
+def test_nothing_fits_gives_no_split():
+    assert best_split(3, 2, lambda k, a, b: math.inf, lambda j, k: 0.0) is None
+
+
+def test_a_two_stage_pipeline_replays_to_its_hand_derived_makespan():
+    # stage 2 s, link 0.5 s, stage 3 s; 4 micro-batches: the first takes 2 + 0.5 + 3 = 5.5 s,
+    # each later one leaves the slowest resource (3 s) after the one before: 5.5 + 3 x 3 = 14.5 s
+    assert pipeline_makespan_s([2.0, 0.5, 3.0], 4) == pytest.approx(14.5)
+    # the bottleneck first: stage 3 s, then 2 s: 3 + 0.5 + 2 = 5.5 s, then +3 s each
+    assert pipeline_makespan_s([3.0, 0.5, 2.0], 4) == pytest.approx(14.5)
+    assert pipeline_makespan_s([1.0, 0.1, 1.0], 1) == pytest.approx(2.1)
+
+
+def test_the_branch_and_bound_leaves_splits_unpriced_and_still_finds_the_best():
+    # 40 equal layers, two equal GPUs holding 25 layers each: every split from 15/25 to 25/15
+    # costs the same, the rest do not fit; the DP must not price all 79 one-cut stages
+    priced = set()
+
+    def stage(k, a, b):
+        priced.add((k, a, b))
+        return math.inf if b - a > 25 else float(b - a)
+
+    split = best_split(40, 2, stage, lambda j, k: 0.25, "sum")
+    # what a caller solves: one problem per (layer count, holds embed, holds head)
+    solved = {(b - a, a == 0, b == 40) for _, a, b in priced}
+    assert len(solved) < 2 * 39 + 1  # a full scan: 39 first stages, 39 last stages, one whole
+    assert split.cost_s == pytest.approx(brute_force(40, 2, stage, lambda j, k: 0.25, "sum"))
+    assert split.cost_s == pytest.approx(40.25)
