@@ -20,7 +20,6 @@ from hetplan.frontends.gguf import spec_from_gguf
 from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan
 from tests.gguf.files import Dims, llama31_8b_q4_k_m_types, write_deepseek2, write_header_only, write_model
-from tests.tiny_models import TINY_GPU_NODE
 
 MIXED = {"token_embd.weight": "F16", "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_0", "attn_v.weight": "Q6_K",
          "attn_output.weight": "Q8_0", "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q4_K",
@@ -81,13 +80,6 @@ def held_bytes(path, layers: int, moe: bool, tied: bool = False) -> dict:
         else:
             out[b] += linear(t) if len(t.shape) > 1 else int(t.n_elements) * 4
     return dict(out)
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    p = tmp_path_factory.mktemp("node") / "node.yaml"
-    p.write_text(TINY_GPU_NODE)
-    return str(p)
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen3moe", False)])

@@ -23,7 +23,6 @@ from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.runtime.session import RunOptions, run_plan
 from tests.gguf.files import MLA, Dims, write_deepseek2
 from tests.gguf.test_weights import placed
-from tests.tiny_models import TINY_GPU_NODE
 
 PROMPT_LEN, GEN_LEN, REL_TOL = 8, 6, 1e-4
 SEED, SPREAD = 12, 0.2
@@ -34,13 +33,6 @@ TYPES = {"token_embd.weight": "F16", "attn_q_a.weight": "Q4_0", "attn_q_b.weight
          "attn_v_b.weight": "F16", "attn_output.weight": "Q8_0", "ffn_gate_exps.weight": "Q4_0",
          "ffn_up_exps.weight": "Q4_0", "ffn_down_exps.weight": "Q8_0", "ffn_gate_shexp.weight": "Q8_0",
          "output.weight": "Q8_0"}
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    p = tmp_path_factory.mktemp("node") / "node.yaml"
-    p.write_text(TINY_GPU_NODE)
-    return str(p)
 
 
 def deepseek_from_file(path, dims: Dims):

@@ -25,7 +25,6 @@ from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.runtime.session import RunOptions, run_plan
 from tests.gguf.files import Dims, write_model
 from tests.gguf.test_weights import oracle, reverse_permute
-from tests.tiny_models import TINY_GPU_NODE
 
 PROMPT_LEN, GEN_LEN, REL_TOL = 8, 8, 1e-4
 EXACT = {"token_embd.weight": "F16", "attn_q.weight": "Q4_0", "attn_k.weight": "Q8_0", "attn_v.weight": "F16",
@@ -35,13 +34,6 @@ EXACT = {"token_embd.weight": "F16", "attn_q.weight": "Q4_0", "attn_k.weight": "
 KQUANT = {"token_embd.weight": "Q4_K", "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_v.weight": "Q6_K",
           "attn_output.weight": "Q4_K", "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q4_K",
           "ffn_down.weight": "Q6_K", "output.weight": "Q6_K", "blk.1.attn_q.weight": "Q8_0"}
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    p = tmp_path_factory.mktemp("node") / "node.yaml"
-    p.write_text(TINY_GPU_NODE)
-    return str(p)
 
 
 def reference_model(path, arch: str):

@@ -24,19 +24,11 @@ from hetplan.frontends.gguf.families import spec_from_gguf
 from hetplan.runtime.session import RunOptions, run_plan
 from tests.gguf.files import Dims, llama3_rope_factors, write_header_only, write_model
 from tests.gguf.test_logits import EXACT, GEN_LEN, PROMPT_LEN, REL_TOL, reference_model
-from tests.tiny_models import TINY_GPU_NODE
 
 DIMS = Dims()
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 FACTORS = llama3_rope_factors(10000.0, DIMS.head_dim, 8.0, 1.0, 4.0, 64)
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    p = tmp_path_factory.mktemp("node") / "node.yaml"
-    p.write_text(TINY_GPU_NODE)
-    return str(p)
 
 
 def generate(model, ids):

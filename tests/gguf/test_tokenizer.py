@@ -13,18 +13,14 @@ from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError
 from hetplan.runtime.session import RunOptions, run_plan
 from tests.gguf.files import write_model
-from tests.tiny_models import TINY_GPU_NODE
 
 TEXT = "hello, world"
 
 
 @pytest.fixture()
-def plan_of(tmp_path):
-    node = tmp_path / "node.yaml"
-    node.write_text(TINY_GPU_NODE)
-
+def plan_of(node):
     def make(path):
-        return compile_plan(CompileRequest(model=str(path), hw=str(node), strategy="all-gpu",
+        return compile_plan(CompileRequest(model=str(path), hw=node, strategy="all-gpu",
                                            prompt_len=len(TEXT), gen_len=4))[0]
     return make
 

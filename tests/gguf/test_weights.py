@@ -34,7 +34,6 @@ from hetplan.runtime.residency import Residency
 from hetplan.runtime.kernels import quant
 from hetplan.runtime.weights import torch_dtype, weight_source
 from tests.gguf.files import write_model
-from tests.tiny_models import TINY_GPU_NODE
 
 KINDS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "Q5_0", "F16", "BF16", "F32")
 
@@ -96,13 +95,6 @@ def oracle(reader: GGUFReader, hf: str, spec) -> tuple[np.ndarray, np.ndarray]:
         heads = spec.n_heads if ".attn_q." in name else spec.n_kv_heads
         x, bound = reverse_permute(x, heads), reverse_permute(bound, heads)
     return x, bound
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    p = tmp_path_factory.mktemp("node") / "node.yaml"
-    p.write_text(TINY_GPU_NODE)
-    return str(p)
 
 
 def placed(path, node):

@@ -103,11 +103,16 @@ def test_exec_matches_onnxruntime_under_each_placement(family, with_past, export
     assert {p["weights"] for p in plan.placement} == want_tiers
     res = run_plan(plan, RunOptions(prompt_ids=PROMPT, emulate=True, all_logits=True, keep_logits=True))
     assert res.mode == ("cpu" if plan_kind == "cpu" else "emulated")
+    check_against_onnxruntime(res, path, with_past, plan)
+
+
+def check_against_onnxruntime(res, path, with_past, plan) -> None:
+    """Every logit within TOL of onnxruntime's on the same inputs, and greedy decoding: each
+    generated token is the argmax of onnxruntime's logits before it."""
     ref = _reference_logits(path, with_past, res.tokens, plan.model)
     assert len(res.logits) == len(ref) == GEN
     for got, want in zip(res.logits, ref):
         np.testing.assert_allclose(got.numpy(), want, atol=TOL, rtol=0)
-    # Greedy decoding: each generated token is the argmax of onnxruntime's logits before it.
     want_tokens = [r.reshape(2, -1, r.shape[-1])[:, -1].argmax(-1) for r in ref]
     assert res.tokens == np.stack(want_tokens, axis=1).tolist()
 
