@@ -83,7 +83,7 @@ CASES = [
     # -- node.yaml --------------------------------------------------------------------------
     ("node-unknown-top-key", COMPILE_NODE, node("name: tiny\n", "name: tiny\ngpu_count: 2\n"), "gpu_count"),
     ("node-unknown-gpu-key", COMPILE_NODE, node("    memory: 2GiB\n", "    memory: 2GiB\n    colour: red\n"), "colour"),
-    ("node-unknown-cpu-key", COMPILE_NODE, node("  cores: 2\n", "  cores: 2\n  sockets: 2\n"), "sockets"),
+    ("node-unknown-cpu-key", COMPILE_NODE, node("  cores: 2\n", "  cores: 2\n  numa_nodes: 2\n"), "numa_nodes"),
     ("node-unknown-links-key", COMPILE_NODE, node("{h2d: 10GB/s}", "{h2d: 10GB/s, pcie: 4}"), "pcie"),
     ("node-unknown-flops-key", COMPILE_NODE, node("{fp32: 1TFLOPS}", "{fp32: 1TFLOPS, fp64: 1TFLOPS}"), "fp64"),
     ("node-scalar-reserve", COMPILE_NODE, node("reserve: {gpu: 1KiB, cpu: 1KiB}", "reserve: 3GiB"), "reserve"),
