@@ -50,11 +50,11 @@ class GgufWeights:
 
     def _check_rope_freqs(self) -> None:
         """The plan rotates by the frequency factors it was compiled with; they must be this file's."""
-        planned = (self.spec.rope_scaling or {}).get("freq_factors")
-        if "rope_freqs.weight" not in self.header.tensors:   # a plan that has factors priced the tensor
+        t = self.header.tensors.get("rope_freqs.weight")
+        if t is None:   # nothing in the file to compare the plan's factors with
             return
-        found = read_f32(self.header, "rope_freqs.weight", self.header.tensors["rope_freqs.weight"].numel)
-        if found != list(planned or ()):
+        planned = (self.spec.rope_scaling or {}).get("freq_factors") or ()
+        if read_f32(self.header, t.name, t.numel) != list(planned):
             raise HetplanError(f"--weights {self.path}: its rope_freqs.weight differs from the frequency factors "
                                f"the plan was compiled with; recompile it with `hetplan compile {self.path}`")
 
@@ -88,10 +88,7 @@ class GgufWeights:
 
     def _decode(self, t) -> torch.Tensor:
         """A whole tensor's values, fp32 [rows, cols] in file order."""
-        cols = t.shape[0]
-        rows = t.numel // cols
-        data = torch.frombuffer(memoryview(self._map)[t.offset:t.offset + rows * repack.row_bytes(t.type, cols)],
-                                dtype=torch.uint8).view(rows, -1)
+        cols, data = self._file_rows(t)
         return repack.dequantise(t.type, data, cols)
 
     def _tensor(self, expected: TensorSpec):
@@ -116,6 +113,11 @@ class GgufWeights:
     def _rows(self, expected: TensorSpec):
         """(ggml type, cols, uint8 rows [R, bytes per row]) of the tensor, over the mapping."""
         t, expert = self._tensor(expected)
+        return (t, *self._file_rows(t, expert))
+
+    def _file_rows(self, t, expert: int | None = None):
+        """(cols, uint8 rows [R, bytes per row]) of file tensor ``t`` (of routed expert ``expert``
+        in a stacked one), over the mapping."""
         cols = t.shape[0]
         rows = t.numel // cols
         per_row = repack.row_bytes(t.type, cols)
@@ -124,7 +126,7 @@ class GgufWeights:
             rows //= t.shape[-1]
             offset += expert * rows * per_row
         buf = memoryview(self._map)[offset:offset + rows * per_row]
-        return t, cols, torch.frombuffer(buf, dtype=torch.uint8).view(rows, per_row)
+        return cols, torch.frombuffer(buf, dtype=torch.uint8).view(rows, per_row)
 
     def _order(self, t, rows: int) -> torch.Tensor | None:
         """Row order undoing llama.cpp's q/k permutation: HF row i is file row order[i]."""

@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.runtime.session import RunOptions, run_plan
 from tests.gguf.files import MLA, Dims, write_deepseek2
+from tests.gguf.test_logits import greedy_reference
 from tests.gguf.test_weights import placed
 
 PROMPT_LEN, GEN_LEN, REL_TOL = 8, 6, 1e-4
@@ -87,14 +88,11 @@ def file_and_reference(request, tmp_path_factory):
     write_deepseek2(path, DIMS, TYPES, seed=SEED, split_kv_b=request.param == "split", spread=SPREAD)
     model = deepseek_from_file(path, DIMS)
     ids = torch.randint(0, DIMS.vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model.generate(ids, max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    steps = torch.stack(out.logits)
+    ref = greedy_reference(model, ids, GEN_LEN)
+    steps = ref["steps"]
     top2 = steps.topk(2, dim=-1).values
     assert ((top2[..., 0] - top2[..., 1]) / steps.abs().max()).min() > 1e-3, "fixture too close to a greedy tie"
-    return path, ids, {"prefill": full, "steps": steps, "tokens": out.sequences[:, PROMPT_LEN:].tolist()}
+    return path, ids, ref
 
 
 @pytest.mark.parametrize("strategy", ["all-gpu", "stream", "ngl:1"])

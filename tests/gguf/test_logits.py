@@ -62,14 +62,20 @@ def exact_file(request, tmp_path_factory):
     write_model(path, request.param, EXACT, seed=11)
     model = reference_model(path, request.param)
     ids = torch.randint(0, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(5))
+    ref = greedy_reference(model, ids)
+    top2 = ref["steps"].topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "fixture too close to a greedy tie"
+    return path, ids, ref
+
+
+def greedy_reference(model, ids, gen_len: int = GEN_LEN) -> dict:
+    """transformers' logits at every prompt position (``prefill``), at each of ``gen_len`` greedy
+    steps (``steps``), and the tokens it generates."""
     with torch.no_grad():
         full = model(ids).logits
-        out = model.generate(ids, max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
+        out = model.generate(ids, max_new_tokens=gen_len, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    steps = torch.stack(out.logits)
-    top2 = steps.topk(2, dim=-1).values
-    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "fixture too close to a greedy tie"
-    return path, ids, {"prefill": full, "steps": steps, "tokens": out.sequences[:, PROMPT_LEN:].tolist()}
+    return {"prefill": full, "steps": torch.stack(out.logits), "tokens": out.sequences[:, ids.shape[1]:].tolist()}
 
 
 PLANS = {"all-gpu": ("all-gpu", None, {"gpu"}), "stream": ("stream", None, {"stream"}),

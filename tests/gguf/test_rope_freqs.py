@@ -23,7 +23,7 @@ from hetplan.errors import HetplanError
 from hetplan.frontends.gguf.families import spec_from_gguf
 from hetplan.runtime.session import RunOptions, run_plan
 from tests.gguf.files import Dims, llama3_rope_factors, write_header_only, write_model
-from tests.gguf.test_logits import EXACT, GEN_LEN, PROMPT_LEN, REL_TOL, reference_model
+from tests.gguf.test_logits import EXACT, GEN_LEN, PROMPT_LEN, REL_TOL, greedy_reference, reference_model
 
 DIMS = Dims()
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -31,23 +31,15 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
 FACTORS = llama3_rope_factors(10000.0, DIMS.head_dim, 8.0, 1.0, 4.0, 64)
 
 
-def generate(model, ids):
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model.generate(ids, max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    return full, torch.stack(out.logits), out.sequences[:, PROMPT_LEN:].tolist()
-
-
 @pytest.fixture(scope="module")
 def scaled_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("rope") / "m.gguf"
     write_model(path, "llama", EXACT, seed=21, rope_freqs=FACTORS)
     model = reference_model(path, "llama")
-    unscaled = generate(model, IDS)
+    unscaled = greedy_reference(model, IDS)
     model.config.rope_parameters = dict(LLAMA3)
     model.model.rotary_emb = LlamaRotaryEmbedding(config=model.config)
-    return path, generate(model, IDS), unscaled
+    return path, greedy_reference(model, IDS), unscaled
 
 
 IDS = torch.randint(0, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
@@ -60,7 +52,8 @@ def test_the_factors_scale_most_frequencies():
 
 @pytest.mark.parametrize("strategy", ["all-gpu", "ngl:1"])
 def test_exec_rotates_by_the_files_factors(scaled_file, node, strategy):
-    path, (full, steps, tokens), (unscaled_full, _, _) = scaled_file
+    path, ref, unscaled = scaled_file
+    full, steps, tokens, unscaled_full = ref["prefill"], ref["steps"], ref["tokens"], unscaled["prefill"]
     req = CompileRequest(model=str(path), hw=node, strategy=strategy, prompt_len=PROMPT_LEN, gen_len=GEN_LEN,
                          kv_dtype="fp32")
     plan = compile_plan(req)[0]
