@@ -16,7 +16,7 @@ from hetplan.diagnose import diagnose, fits_at_all, over_budget  # noqa: F401  (
 from hetplan import progress
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.errors import HetplanError, InfeasibleError
-from hetplan.evaluate import fits, make_plan, objective_s, predictions
+from hetplan.evaluate import fits, objective_s, plan_within_budget, predictions
 from hetplan.hardware import HardwareSpec, load_node
 from hetplan.model import ModelSpec
 from hetplan.frontends.resolve import load_model
@@ -235,11 +235,8 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
     def solve(problem: Problem) -> Plan | None:
         if not fits_at_all(problem):
             return None
-        dec, info, _ = decide(problem, strategy, arg, req)
-        if dec is None:
-            return None
-        plan = make_plan(problem, dec, info)
-        return plan if fits(plan) else None
+        plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req))
+        return plan if plan is not None and fits(plan) else None
     return solve
 
 
@@ -360,14 +357,13 @@ def _compile_chunk(spec, hw, wl, req, strategy, arg, routing=None) -> tuple[Plan
         problem = build_problem(spec, hw, wl, routing=routing)
     if not fits_at_all(problem):  # the cheap bound first: no solver can place more than fits
         raise InfeasibleError(diagnose(problem, strategy))
-    with progress.step(f"solving with strategy {strategy} (Ctrl-C stops)"):
-        dec, info, secs = decide(problem, strategy, arg, req)
-    if dec is None:
-        raise InfeasibleError(diagnose(problem, strategy))
     inputs = {"model_source": req.model, "hw_source": req.hw, "cli_args": req.cli_args(routing)}
-    plan = make_plan(problem, dec, info, inputs=inputs)
+    with progress.step(f"solving with strategy {strategy} (Ctrl-C stops)"):
+        plan, problem, secs = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req), inputs)
+    if plan is None:
+        raise InfeasibleError(diagnose(problem, strategy))
     if not fits(plan):
-        raise InfeasibleError(f"strategy {info['strategy']}: " + over_budget(plan, problem))
+        raise InfeasibleError(f"strategy {plan.solver['strategy']}: " + over_budget(plan, problem))
     return plan, secs
 
 

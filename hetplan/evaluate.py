@@ -5,15 +5,19 @@ Shared by every strategy so that plans differ only in what their solver decided.
 
 from __future__ import annotations
 
+from hetplan import cost
 from hetplan.bounds import phase_lower_bound_s
 from hetplan.graph import PHASES
 from hetplan.plan import Decision, Plan
+from hetplan.plan.pending import copies_out_bytes
 from hetplan.problem import Problem
 from hetplan.schedule import build_schedule
 
 
 def memory_report(problem: Problem, dec: Decision) -> dict:
     """Bytes per tier: resident weights, KV cache, staging slots, workspace; and the budgets.
+    These are the bytes every solver places (within ``problem.gpu_budget_bytes``); the plan adds
+    what copies to the host leave waiting in HBM (``make_plan``), which needs the schedule.
 
     GPU: weights of ``gpu`` blocks (less their cold experts) + KV of ``gpu`` caches + depth *
     slot + workspace (when any block computes on the GPU). CPU: weights of ``cpu``/``stream``
@@ -44,7 +48,7 @@ def memory_report(problem: Problem, dec: Decision) -> dict:
     gpu = {"weights": gpu_w, "kv": gpu_kv, "staging": dec.depth * slot,
            "workspace": problem.gpu_workspace_bytes if gpu_used else 0.0}
     cpu = {"weights": cpu_w, "kv": cpu_kv, "workspace": problem.cpu_workspace_bytes}
-    return {"gpu_bytes": sum(gpu.values()), "gpu_budget_bytes": problem.gpu_budget_bytes,
+    return {"gpu_bytes": sum(gpu.values()), "gpu_budget_bytes": problem.gpu_budget_bytes + problem.gpu_held_back_bytes,
             "cpu_bytes": sum(cpu.values()), "cpu_budget_bytes": problem.cpu_budget_bytes,
             "breakdown": {"gpu": gpu, "cpu": cpu}}, slot
 
@@ -106,9 +110,27 @@ def objective_s(problem: Problem, pred: dict) -> float:
     return pred["latency_s"]
 
 
+def kv_source_bytes_per_byte(problem: Problem) -> float:
+    """GPU bytes a ``kv_down`` holds per byte it copies: the prompt's K/V rows in the activation
+    dtype (before they are quantised for the cache) per byte of them in the KV dtype."""
+    spec = problem.model
+    per_token = spec.kv_bytes_per_token()
+    return spec.kv_elems_per_token() * cost.activation_bytes_per_elem(spec) / per_token if per_token else 0.0
+
+
+def with_copies_out(memory: dict, problem: Problem, schedule: dict) -> dict:
+    """``memory`` with the GPU bytes that copies to the host leave waiting (the most over both
+    phases, ``hetplan.plan.pending``) as ``breakdown.gpu.copies_out``, added to ``gpu_bytes``."""
+    ratio = kv_source_bytes_per_byte(problem)
+    held = max((copies_out_bytes(schedule[ph].tasks, schedule[ph].edges, ratio) for ph in PHASES), default=0.0)
+    gpu = dict(memory["breakdown"]["gpu"], copies_out=held)
+    return dict(memory, gpu_bytes=memory["gpu_bytes"] + held, breakdown=dict(memory["breakdown"], gpu=gpu))
+
+
 def make_plan(problem: Problem, dec: Decision, solver: dict, inputs: dict | None = None) -> Plan:
     schedule = build_schedule(problem, dec)
     memory, slot = memory_report(problem, dec)
+    memory = with_copies_out(memory, problem, schedule)
     pred = predictions(problem, schedule)
     placement = []
     for b in problem.blocks:
@@ -129,3 +151,28 @@ def make_plan(problem: Problem, dec: Decision, solver: dict, inputs: dict | None
 def fits(plan: Plan) -> bool:
     m = plan.memory
     return m["gpu_bytes"] <= m["gpu_budget_bytes"] * (1 + 1e-9) and m["cpu_bytes"] <= m["cpu_budget_bytes"] * (1 + 1e-9)
+
+
+HELD_BACK_ROUNDS = 8
+"""Solves at most, each holding back the HBM the previous plan's copies to the host left waiting."""
+
+
+def plan_within_budget(problem: Problem, solve, inputs: dict | None = None):
+    """Solve ``problem`` (``solve(problem) -> (Decision or None, info, seconds)``) and assemble
+    the plan; while the plan overflows the GPU budget by the values its copies to the host leave
+    waiting (``memory.breakdown.gpu.copies_out``, which the solvers cannot see: it follows from
+    the schedule), solve again with that much HBM held back (``Problem.held_back``, never less
+    than before). -> (plan or None when nothing fits, the problem last solved, solve seconds)."""
+    total = 0.0
+    plan = None
+    for _ in range(HELD_BACK_ROUNDS):
+        dec, info, secs = solve(problem)
+        total += secs
+        if dec is None:
+            return None, problem, total
+        plan = make_plan(problem, dec, info, inputs=inputs)
+        held = plan.memory["breakdown"]["gpu"]["copies_out"]
+        if fits(plan) or held <= problem.gpu_held_back_bytes:
+            break
+        problem = problem.held_back(held)
+    return plan, problem, total

@@ -7,6 +7,7 @@ budgets. Pure numbers; derived once, shared by the ILP, the baselines and the pl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hetplan import cost
@@ -47,6 +48,8 @@ class Problem:
     kv_down_s: dict
     """attention block -> d2h time of the prompt's KV (prefill on the GPU, cache in DRAM)."""
     gpu_budget_bytes: float
+    """HBM the solvers place weights, KV, staging and workspace in: the node's GPU budget less
+    ``gpu_held_back_bytes``."""
     cpu_budget_bytes: float
     gpu_workspace_bytes: float
     cpu_workspace_bytes: float
@@ -55,6 +58,15 @@ class Problem:
     splitting the block's experts between HBM and DRAM costs."""
     routing: object = None
     """The ``hetplan.routing.RoutingStats`` the expert fractions came from, or None (uniform)."""
+    gpu_held_back_bytes: float = 0.0
+    """HBM held back from the solvers for values that copies to the host leave waiting
+    (``hetplan.plan.pending``), which depend on the schedule a decision makes: 0 unless the
+    compiler solves again because a plan overflowed by them (``held_back``)."""
+
+    def held_back(self, nbytes: float) -> "Problem":
+        """This problem with ``nbytes`` of the node's GPU budget held back from the solvers."""
+        node_budget = self.gpu_budget_bytes + self.gpu_held_back_bytes
+        return dataclasses.replace(self, gpu_budget_bytes=node_budget - nbytes, gpu_held_back_bytes=nbytes)
 
     @property
     def model(self) -> ModelSpec:

@@ -177,8 +177,49 @@ def build_phase(problem: Problem, dec: Decision, phase: str, shared_buses: bool 
 
     h2d += [load(n) for n in names if n in slots]
     tasks = compute + acts + h2d + d2h
-    return PhaseSchedule(tuple(_timed(tasks, edges, capacities(problem.hw) if shared_buses else None)),
-                         tuple(edges))
+    caps = capacities(problem.hw) if shared_buses else None
+    timed = _timed(tasks, edges, caps)
+    done = copy_done_edges(timed, edges)
+    if done:  # each already holds on the timeline: the times stay as they are
+        edges += done
+        timed = _timed(tasks, edges, caps)
+    return PhaseSchedule(tuple(timed), tuple(edges))
+
+
+def copy_done_edges(tasks: list, edges: list) -> list:
+    """Edges c -> g that bound how long a copy to the host keeps its value waiting in HBM.
+
+    For every ``act_down``/``kv_down`` c, g is the first task on the ``gpu`` queue that starts
+    at or after c ends on the timeline of ``tasks`` (none when no GPU task does), unless g
+    already follows c through edges and queue orders. Each edge holds on that timeline, so
+    adding it changes no time; what it changes is the runtime, whose lanes may run at other
+    speeds: with it, no interleaving lets c's value wait beside more GPU stages than the timeline
+    shows (``hetplan.plan.pending`` counts those bytes in the plan's GPU peak)."""
+    gpu = [t for t in tasks if t.resource == "gpu"]
+    after = {t.id: [] for t in tasks}
+    for src, dst in edges:
+        after[src].append(dst)
+    last = {}
+    for t in tasks:
+        if t.resource in last:
+            after[last[t.resource]].append(t.id)
+        last[t.resource] = t.id
+    out = []
+    for c in tasks:
+        if c.kind not in ("act_down", "kv_down"):
+            continue
+        g = next((t for t in gpu if t.start_s >= c.end_s - 1e-12 * max(c.end_s, 1e-12)), None)
+        if g is None:
+            continue
+        seen, stack = set(), [c.id]
+        while stack and g.id not in seen:
+            for n in after[stack.pop()]:
+                if n not in seen:
+                    seen.add(n)
+                    stack.append(n)
+        if g.id not in seen:
+            out.append((c.id, g.id))
+    return out
 
 
 def _timed(tasks: list, edges: list, caps: dict | None) -> list:

@@ -251,7 +251,8 @@ def test_moe_baselines_replay_to_their_prediction(scenario, strategy):
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_memory_report_is_weights_kv_staging_and_workspace(scenario):
-    """GPU = resident weights + GPU KV + depth * largest streamed block + workspace;
+    """GPU = resident weights + GPU KV + depth * largest streamed block + workspace + the values
+    waiting for copies to the host (the simulator's count over its own replay);
     CPU = host-resident weights + CPU KV + workspace (recomputed here from the placement)."""
     for plan in plans_for(scenario).values():
         p, ws, m = plan.placement, plan.memory["breakdown"], plan.model
@@ -263,6 +264,9 @@ def test_memory_report_is_weights_kv_staging_and_workspace(scenario):
         gpu = (sum(b["weight_bytes"] - cold[b["block"]] for b in p if b["weights"] == "gpu")
                + sum(b["kv_bytes"] for b in p if b["kv"] == "gpu")
                + plan.staging["depth"] * slot + ws["gpu"]["workspace"])
+        waiting = max(simulate(plan).waiting_bytes.values())
+        assert ws["gpu"]["copies_out"] == pytest.approx(waiting, rel=1e-12)
+        gpu += waiting
         cpu = (sum(b["weight_bytes"] for b in p if b["weights"] != "gpu") + sum(cold.values())
                + sum(b["kv_bytes"] for b in p if b["kv"] == "cpu") + ws["cpu"]["workspace"])
         assert plan.memory["gpu_bytes"] == pytest.approx(gpu, rel=1e-12)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from hetplan.errors import HetplanError
 from hetplan.plan.sharing import bus_capacity, bus_speeds
+from hetplan.plan.waiting import waiting_peak_bytes
 
 PHASES = ("prefill", "decode")
 COMPUTE_RESOURCES = ("gpu", "cpu")
@@ -49,7 +50,8 @@ class SimResult:
     makespan_s: dict
     """phase -> end of its last task (the replay starts at 0)."""
     peak_bytes: dict
-    """tier (``gpu``, ``cpu``) -> resident weights + KV + peak concurrent staging + workspace."""
+    """tier (``gpu``, ``cpu``) -> resident weights + KV + peak concurrent staging + workspace
+    (GPU: + the most bytes waiting for copies to the host, ``waiting_bytes``)."""
     busy_s: dict
     """phase -> resource -> summed task durations."""
     max_slots_in_use: dict
@@ -60,6 +62,8 @@ class SimResult:
     """phase -> task id -> replayed start time."""
     end_s: dict
     """phase -> task id -> replayed end time."""
+    waiting_bytes: dict
+    """phase -> most GPU bytes waiting at one instant for copies to the host (``hetplan.plan.waiting``)."""
 
 
 # -- list scheduling ---------------------------------------------------------------------------
@@ -263,7 +267,7 @@ def simulate(plan) -> SimResult:
     if not isinstance(depth, int) or depth < 1:
         raise PlanInvalid(f"staging.depth must be a positive integer, got {depth!r}")
     entries = {p["block"]: p for p in plan.placement}
-    makespan, busy, slots, staged, starts, ends = {}, {}, {}, {}, {}, {}
+    makespan, busy, slots, staged, starts, ends, waiting = {}, {}, {}, {}, {}, {}, {}
     for phase in PHASES:
         if phase not in plan.schedule:
             raise PlanInvalid(f"schedule: phase {phase!r} is missing; recompile the plan")
@@ -281,15 +285,17 @@ def simulate(plan) -> SimResult:
         for t in sched.tasks:
             busy[phase][t.resource] = busy[phase].get(t.resource, 0.0) + t.duration_s
         starts[phase], ends[phase] = start, end
-    return SimResult(makespan, _peak_bytes(plan, max(staged.values())), busy, slots, staged, starts, ends)
+        waiting[phase] = waiting_peak_bytes(plan, sched.tasks, sched.edges, start, end)
+    peak = _peak_bytes(plan, max(staged.values()), max(waiting.values()))
+    return SimResult(makespan, peak, busy, slots, staged, starts, ends, waiting)
 
 
-def _peak_bytes(plan, staging_bytes: float) -> dict:
+def _peak_bytes(plan, staging_bytes: float, waiting_bytes: float) -> dict:
     """GPU: weights resident in HBM (less an MoE block's cold experts) + KV caches in HBM + peak
-    staging + GPU workspace; CPU: weights in DRAM (``cpu`` and ``stream``, cold experts) + KV
-    caches in DRAM + CPU workspace."""
+    staging + GPU workspace + the most bytes waiting for copies to the host; CPU: weights in
+    DRAM (``cpu`` and ``stream``, cold experts) + KV caches in DRAM + CPU workspace."""
     ws = plan.memory["breakdown"]
-    gpu = staging_bytes + ws["gpu"]["workspace"]
+    gpu = staging_bytes + ws["gpu"]["workspace"] + waiting_bytes
     cpu = ws["cpu"]["workspace"]
     for p in plan.placement:
         if p["weights"] == "gpu":
@@ -325,6 +331,11 @@ def check_plan(plan, rel_tol: float = 1e-6) -> SimResult:
         if abs(predicted - replayed) > rel_tol * max(abs(replayed), 1e-12):
             raise PlanInvalid(f"predicted.{key} = {predicted:.9g} s, but replaying the {phase} schedule "
                               f"takes {replayed:.9g} s")
+    declared = plan.memory["breakdown"]["gpu"].get("copies_out", 0.0)
+    waiting = max(sim.waiting_bytes.values())
+    if declared < waiting * (1 - _REL_TOL):
+        raise PlanInvalid(f"memory.breakdown.gpu.copies_out = {declared:.0f} under-reports the {waiting:.0f} bytes "
+                          f"that wait in HBM for copies to the host in the replay; recompile the plan")
     budgets = {"gpu": plan.hardware.gpu_budget_bytes(), "cpu": plan.hardware.cpu_budget_bytes()}
     for tier, peak in sim.peak_bytes.items():
         declared = plan.memory[f"{tier}_bytes"]

@@ -243,6 +243,7 @@ class GpuBreakdown(Strict):
     kv: Bytes = Field(description="KV cache")
     staging: Bytes = Field(description="staging slots")
     workspace: Bytes = Field(description="activations")
+    copies_out: Bytes = Field(description="values waiting in HBM for their copies to the host, at most at once")
 
 
 class CpuBreakdown(Strict):
