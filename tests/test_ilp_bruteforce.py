@@ -20,6 +20,7 @@ import math
 import pytest
 from tests.conftest import tiny_node, tiny_spec
 
+from tests.solver_model import placed_gpu_bytes, with_copies_held_back
 from hetplan.compiler import CompileRequest, decide
 from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Decision
@@ -94,7 +95,7 @@ def evaluated(case: str) -> tuple:
             for tier in ("gpu", "cpu"):
                 assert sim.peak_bytes[tier] <= plan.memory[f"{tier}_bytes"] * (1 + 1e-12)
             out.append(Evaluated(dec, sim.makespan_s["prefill"], sim.makespan_s["decode"],
-                                 plan.memory["gpu_bytes"], plan.memory["cpu_bytes"]))
+                                 placed_gpu_bytes(plan), plan.memory["cpu_bytes"]))
         _EVALUATED[case] = (problem, tuple(out))
     return _EVALUATED[case]
 
@@ -124,7 +125,7 @@ def test_ilp_matches_the_best_enumerated_decision(case, budget, objective):
     value = OBJECTIVE_S[objective]
     feasible = [r for r in rows if r.gpu_bytes <= gpu_budget and r.cpu_bytes <= cpu_budget]
 
-    problem = build_problem(spec, hw, wl)
+    problem = with_copies_held_back(build_problem(spec, hw, wl))
     dec, info, _ = decide(problem, "ilp", None, CompileRequest(model=case, hw="tiny", objective=objective))
     if not feasible:
         assert budget == "infeasible"

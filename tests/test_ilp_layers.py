@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 from tests.conftest import MILP_REPLAY_REL_TOL, tiny_node, tiny_spec
+from tests.solver_model import with_copies_held_back
 
 from hetplan.evaluate import fits, make_plan
 from hetplan.plan import Decision
@@ -33,7 +34,7 @@ def _problem(n_layers, gpu_fraction, workload, objective="latency", cpu_fraction
     hw = tiny_node(64, 64, **LINK).with_budgets(
         gpu_mem=int(roomy.gpu_workspace_bytes + gpu_fraction * total),
         cpu_mem=int(roomy.cpu_workspace_bytes + cpu_fraction * total))
-    return build_problem(spec, hw, wl)
+    return with_copies_held_back(build_problem(spec, hw, wl))
 
 
 def test_a_dense_model_is_seen_as_identical_layers():
@@ -160,7 +161,7 @@ def test_moe_layers_are_counted_with_their_expert_split(workload, gpu_fraction):
     total = sum(b.weight_bytes + b.kv_bytes for b in roomy.blocks)
     hw = tiny_node(64, 64, **LINK).with_budgets(gpu_mem=int(roomy.gpu_workspace_bytes + gpu_fraction * total),
                                                 cpu_mem=int(roomy.cpu_workspace_bytes + 1.2 * total))
-    problem = build_problem(spec, hw, wl)
+    problem = with_copies_held_back(build_problem(spec, hw, wl))
     assert layered(problem) is not None
     counted = _cross_checked(problem)
     plan = make_plan(problem, counted.decision, {"strategy": "ilp", "status": "optimal"})

@@ -15,6 +15,7 @@ import time
 
 import pytest
 from tests.conftest import tiny_node, tiny_spec
+from tests.solver_model import with_copies_held_back
 
 from hetplan.compiler import CompileRequest, decide
 from hetplan.evaluate import fits, make_plan, objective_s, predictions
@@ -45,7 +46,7 @@ def problem(workload: str, share: float, cpu_gib: float = 64):
     roomy = build_problem(SPEC, tiny_node(64, 64), wl, routing=ROUTING)
     total = sum(b.weight_bytes + b.kv_bytes for b in roomy.blocks)
     hw = tiny_node(1, cpu_gib).with_budgets(gpu_mem=math.ceil(roomy.gpu_workspace_bytes + share * total))
-    return build_problem(SPEC, hw, wl, routing=ROUTING)
+    return with_copies_held_back(build_problem(SPEC, hw, wl, routing=ROUTING))
 
 
 def test_the_layers_differ_so_the_per_block_formulation_decides():
@@ -116,7 +117,7 @@ def test_chain_dp_is_the_best_enumerated_decision(share, objective):
     value = (lambda r: r[1] + wl.gen_len * r[2]) if objective == "latency" else (lambda r: r[2])
     best = min((r for r in rows if r[3] <= gpu_budget and r[4] <= hw.cpu_budget_bytes()), key=value)
 
-    pr = build_problem(ONE_LAYER, hw, wl, routing=roomy.routing)
+    pr = with_copies_held_back(build_problem(ONE_LAYER, hw, wl, routing=roomy.routing))
     res = solve(pr, IlpOptions(stream_cold=True, **EXACT))
     assert "chain-dp" in res.formulation
     dec, info, _ = decide(pr, "ilp", None, CompileRequest(model="tiny-moe", hw="tiny", stream_cold_experts=True,

@@ -182,16 +182,23 @@ def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, s: dict, fill
 
 # -- experts -------------------------------------------------------------------------------------
 def experts_forward(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    experts: Mapping, subset: Iterable[int], act: str = "silu") -> torch.Tensor:
+                    experts: Mapping, subset: Iterable[int], act: str = "silu",
+                    sync_free: bool = False) -> torch.Tensor:
     """The routed experts' contribution of the experts in ``subset`` only:
 
         out[t] = sum over j with ids[t, j] in subset of weights[t, j] * expert_{ids[t, j]}(hidden[t])
 
     hidden: [T, D]; ids, weights: [T, k]; ``experts`` must hold every id of ``subset`` (and may
-    hold only those). All tensors on one device. Returns [T, D] in hidden's dtype. One host
-    sync (the per-expert token counts), then one gather, SwiGLU and scatter-add per expert hit;
-    each expert is looked up only when used, and used before the next is looked up.
+    hold only those). All tensors on one device. Returns [T, D] in hidden's dtype.
+
+    By default (the CPU's way): one read of the per-expert token counts (a host sync on a GPU),
+    then one gather, SwiGLU and scatter-add per expert hit; each expert is looked up only when
+    used, and used before the next is looked up. ``sync_free`` (a GPU stage): no value goes to
+    the host; every expert of ``subset`` runs on all T tokens, masked by its gate per token
+    (``masked_experts_forward``).
     """
+    if sync_free:
+        return masked_experts_forward(hidden, ids, weights, experts, subset, act)
     out = torch.zeros_like(hidden)
     k = ids.shape[1]
     flat_ids = ids.reshape(-1)  # [T * k]
@@ -208,6 +215,26 @@ def experts_forward(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         tokens = rows // k
         y = swiglu(hidden[tokens], experts[e], act) * flat_weights[rows, None]
         out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def masked_experts_forward(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           experts: Mapping, subset: Iterable[int], act: str = "silu") -> torch.Tensor:
+    """``experts_forward`` without a host sync: shapes never depend on the routing.
+
+        g_e[t] = sum over j of weights[t, j] * [ids[t, j] == e]     (0 when t did not choose e)
+        out    = sum over e in subset, ascending, of g_e[:, None] * expert_e(hidden)
+
+    Each expert is used once, in the same order as the counting path, and a token that did not
+    choose it adds an exact 0, so the sums agree with it up to the GEMMs' row blocking. The cost
+    is every expert of ``subset`` on all T tokens: T * |subset| expert rows instead of the T * k
+    the tokens chose (a decode step of batch B reads every hot expert's weights; what a grouped
+    GEMM over device-side offsets would avoid)."""
+    out = torch.zeros_like(hidden)                                            # [T, D]
+    for e in sorted(subset):
+        gate = (weights * (ids == e)).sum(dim=-1)                             # [T]
+        y = swiglu(hidden, experts[e], act) * gate[:, None]                  # as the counting path multiplies
+        out.add_(y.to(out.dtype))
     return out
 
 

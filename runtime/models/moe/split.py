@@ -23,10 +23,11 @@ is complete, ``moe_route`` sends no pair and ``moe_experts`` computes every expe
 computes as the whole-block ``moe`` stage does (``runtime/models/moe/layer.py``), so a split block's output
 equals the unsplit one's up to the order of the sums.
 
-Host syncs: ``moe_route`` and ``moe_merge`` none (fixed shapes: N rows cross instead of P, equal
-when every cold pair of a token is cold, at most T * min(k, C)); ``moe_experts`` the one of
-``experts_forward`` (its per-expert counts; removing it needs a grouped GEMM over device-side
-offsets); ``moe_cold`` reads its counts on the CPU, where the copy has already landed.
+Host syncs: none in the GPU stages. ``moe_route`` and ``moe_merge`` have fixed shapes (N rows
+cross instead of P, equal when every cold pair of a token is cold, at most T * min(k, C));
+``moe_experts`` runs each hot expert on every token masked by its gate
+(``layer.masked_experts_forward``), whatever the device (it is a GPU stage in every plan).
+``moe_cold`` reads its counts on the CPU, where the copy has already landed.
 Knows nothing about plans, queues or tiers.
 """
 
@@ -40,7 +41,7 @@ import torch
 from hetplan.model import ModelSpec
 from hetplan.runtime.backend import StageCall
 from hetplan.runtime.models.dense import _rms_norm
-from hetplan.runtime.models.moe.layer import Router, experts_forward, route, swiglu
+from hetplan.runtime.models.moe.layer import Router, masked_experts_forward, route, swiglu
 from hetplan.runtime.models.moe.weights import BlockExperts, block_expert
 
 READS = {"moe_route": ("x",), "moe_experts": ("x", "h", "ids", "gates"),
@@ -89,7 +90,8 @@ def route_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
 def experts_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
     w, x, h = c.weights, c.inputs["x"], c.inputs["h"]
     if hot.ids:
-        y = experts_forward(h, c.inputs["ids"], c.inputs["gates"], BlockExperts(w, hot.ids), hot.ids, spec.act)
+        y = masked_experts_forward(h, c.inputs["ids"], c.inputs["gates"], BlockExperts(w, hot.ids), hot.ids,
+                                   spec.act)                                  # no host sync
     else:
         y = torch.zeros_like(h)                                               # [T, D]
     if spec.n_shared_experts:
