@@ -167,8 +167,8 @@ def chunked(make, pieces: list) -> Work:
 def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float:
     """Peak activation bytes of a forward pass on one device: the prefill's largest stage, plus
     with quantised weights the dequantisation buffer (``dequant_buffer_elems`` at
-    ``DEQUANT_BYTES[device]`` each), plus with a quantised KV cache one layer's cache dequantised
-    for reading (batch * context * kv_elems * DEQUANT_BYTES).
+    ``DEQUANT_BYTES[device]`` each), plus what reading a KV cache block by block holds
+    (``kv_read_bytes``).
 
     A stage holds values at full length t = batch * P (layer-major chunked prefill keeps the
     residual stream of the whole prompt) and temporaries for one chunk c = batch * C, each
@@ -208,9 +208,31 @@ def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float
     ]
     if spec.is_mla:  # absorbed attention: q in latent space, its rope part, and the latent output
         stages.append(t * (d + spec.n_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)) * e + mask)
-    # a quantised KV cache is read through a dequantised copy of one layer's used prefix
-    kv_read = (wl.batch * wl.context_len * kv * DEQUANT_BYTES[device] if spec.kv_dtype in QUANTISED else 0)
-    return max(stages) + dequant_buffer_elems(spec) * DEQUANT_BYTES[device] + kv_read
+    return max(stages) + dequant_buffer_elems(spec) * DEQUANT_BYTES[device] + kv_read_bytes(spec, wl)
+
+
+KV_READ_TOKENS = 256
+"""Cache positions the runtime converts or dequantises at a time when it reads a KV cache that is
+not a view in the compute dtype (``hetplan.runtime.kv_cache.READ_BLOCK_TOKENS``)."""
+KV_PAD = {"q8_0": 32, "q4_0": 32, "q4_k_m": 256}
+"""Values per quantisation block of the formats that pad a row to whole blocks."""
+
+
+def kv_read_bytes(spec: ModelSpec, wl: Workload) -> float:
+    """Bytes a decode attention holds while it reads one layer's KV cache block by block
+    (a quantised cache, one in another dtype than the activations, or MLA's latent cache, whose
+    latent and rope parts are scored apart): for the n = min(context, KV_READ_TOKENS) positions
+    of one block, batch * n * (16 * padded K/V elements per token + 12 * heads) bytes, i.e. the
+    block's values unpacked and scaled in fp32, copied to the compute dtype and viewed in fp32
+    for the product (at most 16 bytes each, rows padded to whole quantisation blocks), and per
+    query head three fp32 score rows (scores, exponentials, a rescaled sum). 0 when the cache is
+    read as it lies (a plain cache in the activation dtype, standard attention)."""
+    plain = spec.kv_dtype not in QUANTISED and bytes_per_element(spec.kv_dtype) == cost.activation_bytes_per_elem(spec)
+    if plain and not spec.is_mla:
+        return 0.0
+    pad = KV_PAD.get(spec.kv_dtype, 1)
+    elems = sum(-(-n // pad) * pad for n in spec.kv_rows())
+    return wl.batch * min(wl.context_len, KV_READ_TOKENS) * (16 * elems + 12 * spec.n_heads)
 
 
 def dequant_buffer_elems(spec: ModelSpec) -> int:

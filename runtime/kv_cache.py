@@ -7,10 +7,13 @@ In a quantised one (q8_0, q4_0, int8, int4, q4_k_m; ``hetplan.runtime.kernels.qu
 r or rope for MLA), is quantised on its own and kept as per-row arrays ``[B, T, count]``
 (scales, values), so a step writes only its tokens' rows and a row never depends on another.
 
-Stages go through ``write`` and ``read``, which take either kind: ``write`` stores new tokens
+Stages go through ``write`` and ``attend``, which take either kind: ``write`` stores new tokens
 (prefill, decode, and ``kv_down`` copying the prompt's values from the GPU, quantised before
-they cross), ``read`` returns the used prefix in the compute dtype (a view of a plain cache, a
-dequantised copy of a quantised one).
+they cross); ``attend`` computes attention over the used prefix where it lies, block by block
+(``read_blocks``: views of a plain cache in the compute dtype, else ``READ_BLOCK_TOKENS``
+positions at a time converted or dequantised), merging the blocks' softmax online, so a step
+never copies the prefix. ``in_place`` says when the whole prefix is already a view in the
+compute dtype (``read``), which an attention kernel can take as it is.
 
 Knows nothing about plans, schedules or models beyond a value's shape.
 """
@@ -87,19 +90,83 @@ def write(value, start: int, x: torch.Tensor, non_blocking: bool = False) -> Non
             dst[i, start:start + s].copy_(src[i], non_blocking=non_blocking)
 
 
-def read(value, end: int, dtype: torch.dtype) -> torch.Tensor:
-    """Positions [0, end) of every sequence, [B, end, ...], in ``dtype``.
+READ_BLOCK_TOKENS = 256
+"""Positions ``read_blocks`` converts or dequantises at a time (``hetplan.graph.KV_READ_TOKENS``
+prices them)."""
 
-    A quantised value is dequantised here into a transient copy of the prefix: B * end * row_len
-    elements of ``dtype``, plus fp32 intermediates of that size while dequantising. An attention
-    stage reads both values of its layer, so it holds B * end * kv_elems_per_token such elements
-    until its attention returns (llama-3-8B, one sequence of 8192 tokens, fp32 on the CPU:
-    64 MiB), one layer at a time per device. The planner's workspace does not count it."""
-    if isinstance(value, QuantisedValue):
-        rows = quant.dequantise_rows(value.fmt, tuple(p[:, :end] for p in value.parts), value.row_len)
-        return rows.to(dtype).reshape(value.shape[0], end, *value.shape[2:])
-    prefix = value[:, :end]
-    return prefix if prefix.dtype == dtype else prefix.to(dtype)
+
+def in_place(value, dtype: torch.dtype) -> bool:
+    """Whether ``value`` is read as a view in ``dtype``: a plain cache of that dtype."""
+    return not isinstance(value, QuantisedValue) and value.dtype == dtype
+
+
+def read(value, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Positions [0, end) of every sequence, [B, end, ...]: a view of a cache that is
+    ``in_place`` in ``dtype``; any other is refused (read it with ``read_blocks``)."""
+    if not in_place(value, dtype):
+        raise ValueError(f"a {_kind(value)} cache is not read whole in {dtype}: read it with read_blocks")
+    return value[:, :end]
+
+
+def read_blocks(value, end: int, dtype: torch.dtype, block: int = READ_BLOCK_TOKENS):
+    """(start, [B, n, ...] in ``dtype``) for positions [0, end) in blocks of ``block``: views of a
+    plain cache in ``dtype``; otherwise each block converted, or dequantised (fp32 intermediates
+    of its size), on its own: B * block * row_len elements at a time, never the prefix."""
+    for s in range(0, end, block):
+        e = min(end, s + block)
+        if isinstance(value, QuantisedValue):
+            rows = quant.dequantise_rows(value.fmt, tuple(p[:, s:e] for p in value.parts), value.row_len)
+            yield s, rows.to(dtype).reshape(value.shape[0], e - s, *value.shape[2:])
+        else:
+            part = value[:, s:e]
+            yield s, part if part.dtype == dtype else part.to(dtype)
+
+
+def attend(queries: tuple, keys: tuple, value, end: int, offset: int, new: int, scale: float) -> torch.Tensor:
+    """softmax(sum_i q_i k_i^T * scale, causal) v over cache positions [0, end), in place.
+
+    queries: [B, Hk, M, d_i] each, M rows per cache head; row r is at position
+    offset + r mod ``new`` (a head's ``new`` positions in order, the heads of a group stacked).
+    keys: cache values [B, T, Hk, d_i] (or [B, T, d_i] for one head); value: a cache value
+    [B, T, Hk, dv] (or [B, T, dv]), which may be one of ``keys`` (then read once per block).
+    -> [B, Hk, M, dv] in the queries' dtype. Online softmax over ``read_blocks``: per block the
+    scores [B, Hk, M, block] in fp32, its running max m, sum l and output rescaled by
+    exp(m_old - m_new); a block's keys beyond a row's position are masked."""
+    q0 = queries[0]
+    dtype, dev = q0.dtype, q0.device
+    b, hk, m = q0.shape[:3]
+    pos = offset + torch.arange(m, device=dev) % new                         # [M]
+    top = torch.full((b, hk, m, 1), float("-inf"), device=dev)
+    total = torch.zeros((b, hk, m, 1), device=dev)
+    acc = None
+    readers = [read_blocks(k, end, dtype) for k in keys]
+    shared = next((i for i, k in enumerate(keys) if k is value), None)
+    values = read_blocks(value, end, dtype) if shared is None else None
+    qf = [q.float() for q in queries]
+    for parts in zip(*readers):
+        s = parts[0][0]
+        blocks = [_heads(p) for _, p in parts]                               # [B, Hk, L, d_i]
+        v = blocks[shared] if shared is not None else _heads(next(values)[1])
+        scores = sum(q @ k.float().transpose(-1, -2) for q, k in zip(qf, blocks)) * scale  # [B, Hk, M, L]
+        keys_at = s + torch.arange(scores.shape[-1], device=dev)
+        scores.masked_fill_(keys_at[None, :] > pos[:, None], float("-inf"))
+        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+        p = torch.exp(scores - new_top)
+        fix = torch.exp(top - new_top)
+        total = total * fix + p.sum(dim=-1, keepdim=True)
+        out = p @ v.float()                                                  # [B, Hk, M, dv]
+        acc = out if acc is None else acc * fix + out
+        top = new_top
+    return (acc / total).to(dtype)
+
+
+def _heads(block: torch.Tensor) -> torch.Tensor:
+    """A cache block [B, L, Hk, d] -> [B, Hk, L, d]; [B, L, d] -> [B, 1, L, d] (views)."""
+    return block[:, None] if block.dim() == 3 else block.transpose(1, 2)
+
+
+def _kind(value) -> str:
+    return value.fmt if isinstance(value, QuantisedValue) else str(value.dtype)
 
 
 def _row_len(shape: tuple) -> int:

@@ -405,17 +405,16 @@ def applicable(problem: Problem) -> dict:
 def best_fitting(problem: Problem) -> tuple:
     """(name, decision, objective in s) of the baseline with the least objective among those
     whose plans fit the node's budgets; (None, None, inf) when none fits. Each baseline is
-    decided as ``--strategy NAME`` compiles it: on the node's whole GPU budget, then again with
-    the HBM its copies to the host leave waiting held back while its plan overflows by them
-    (``hetplan.evaluate.plan_within_budget``)."""
+    decided as ``--strategy NAME`` compiles it: with the HBM ``problem`` holds back (none, the
+    first time compile solves), then again with more held back while its plan overflows by what
+    its copies to the host leave waiting (``hetplan.evaluate.plan_within_budget``)."""
     from hetplan.evaluate import HELD_BACK_ROUNDS, memory_report, objective_s, predictions, with_copies_out
     from hetplan.schedule import build_schedule
 
     best = (None, None, float("inf"))
-    node = problem.held_back(0.0)
-    node_gpu = node.gpu_budget_bytes * (1 + 1e-9)
+    node_gpu = (problem.gpu_budget_bytes + problem.gpu_held_back_bytes) * (1 + 1e-9)
     for name, fn in applicable(problem).items():
-        p = node
+        p = problem
         for _ in range(HELD_BACK_ROUNDS):
             dec = fn(p)
             mem = memory_report(p, dec)[0]
@@ -430,5 +429,5 @@ def best_fitting(problem: Problem) -> tuple:
                 break
             if held <= p.gpu_held_back_bytes:
                 break
-            p = node.held_back(held)
+            p = problem.held_back(held)
     return best

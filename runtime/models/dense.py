@@ -169,9 +169,15 @@ class DenseBackend:
         if c.kv is not None:
             kv_cache.write(c.kv["k"], start, k)
             kv_cache.write(c.kv["v"], start, v)
-            if start:  # after the prompt, attend over the cache (quantised: a transient copy, kv_cache.read)
+            if start:  # after the prompt, attend over the cache where it lies
+                if not _whole_views(c.kv, q.dtype):
+                    return {"o": cached_attention(q, c.kv, start + n, start, self._scale())}
                 k, v = kv_cache.read(c.kv["k"], start + n, q.dtype), kv_cache.read(c.kv["v"], start + n, q.dtype)
         return {"o": attention(q, k, v, start, scale=1.0 if self.q_scale is not None else None)}
+
+    def _scale(self) -> float:
+        """The softmax scale: 1 when q was scaled in ``attn_in``, else head_dim^-1/2."""
+        return 1.0 if self.q_scale is not None else self.spec.head_dim ** -0.5
 
     def _attn_core_chunked(self, c: StageCall) -> dict:
         """Chunk i (positions s..s+n-1) writes its K/V to the cache and attends over the prefix
@@ -186,6 +192,9 @@ class DenseBackend:
             if c.kv is not None:
                 kv_cache.write(c.kv["k"], start + s, k[:, s:e])
                 kv_cache.write(c.kv["v"], start + s, v[:, s:e])
+            if start and not _whole_views(c.kv, q.dtype):
+                o[:, s:e] = cached_attention(q[:, s:e], c.kv, start + e, start + s, self._scale())
+                continue
             if start:
                 kk, vv = kv_cache.read(c.kv["k"], start + e, q.dtype), kv_cache.read(c.kv["v"], start + e, q.dtype)
             else:
@@ -273,6 +282,21 @@ def _one_cpu_thread(active: bool):
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def _whole_views(kv, dtype) -> bool:
+    """Whether both cache values read as views in ``dtype`` (then one attention kernel call)."""
+    return kv_cache.in_place(kv["k"], dtype) and kv_cache.in_place(kv["v"], dtype)
+
+
+def cached_attention(q: torch.Tensor, kv, end: int, start: int, scale: float) -> torch.Tensor:
+    """q [B, S, H, hd] (positions start..start+S-1) over cache positions [0, end), read block by
+    block where it lies (``kv_cache.attend``; a quantised or differently typed cache) -> [B, S, H*hd]."""
+    b, n, h, hd = q.shape
+    kvh = kv["k"].shape[2]
+    rows = q.transpose(1, 2).reshape(b, kvh, (h // kvh) * n, hd)             # [B, KVH, G*S, hd]
+    o = kv_cache.attend((rows,), (kv["k"],), kv["v"], end, start, n, scale)   # [B, KVH, G*S, hd]
+    return o.reshape(b, h, n, hd).transpose(1, 2).reshape(b, n, h * hd)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None) -> torch.Tensor:

@@ -44,7 +44,7 @@ from hetplan.runtime.models.moe import weights as moe_weights
 from hetplan.runtime.backend import StageCall, TensorSpec
 from hetplan.runtime.models.dense import _READS, _WRITES, DenseBackend, _rms_norm
 from hetplan.runtime.models.mla import (LATENT_NORM_EPS, MlaWeights, absorb_query, expand_output, latent_attention,
-                                 mla_rope)
+                                 mla_rope, softmax_scale)
 from hetplan.runtime.models.moe.layer import Router, experts_forward, route, swiglu
 from hetplan.runtime.models.moe.weights import BlockExperts, block_expert
 
@@ -182,11 +182,11 @@ class MoeBackend(DenseBackend):
                 kv_cache.write(c.kv["latent"], start + s, latent[:, s:e])
                 kv_cache.write(c.kv["k_rope"], start + s, k_rope[:, s:e])
             if start:
-                lat = kv_cache.read(c.kv["latent"], start + e, q_lat.dtype)
-                kr = kv_cache.read(c.kv["k_rope"], start + e, q_lat.dtype)
+                o[:, :, s:e] = cached_latent_attention(q_lat[:, :, s:e], q_rope[:, :, s:e], c.kv, start + e,
+                                                       start + s, self.spec)
             else:
-                lat, kr = latent[:, :e], k_rope[:, :e]
-            o[:, :, s:e] = latent_attention(q_lat[:, :, s:e], q_rope[:, :, s:e], lat, kr, self.spec, start + s)
+                o[:, :, s:e] = latent_attention(q_lat[:, :, s:e], q_rope[:, :, s:e], latent[:, :e], k_rope[:, :e],
+                                                self.spec, start + s)
         return {"o_lat": o}
 
     def _attn_in(self, c: StageCall) -> dict:
@@ -220,9 +220,8 @@ class MoeBackend(DenseBackend):
         if c.kv is not None:
             kv_cache.write(c.kv["latent"], start, latent)
             kv_cache.write(c.kv["k_rope"], start, k_rope)
-            if start:  # after the prompt, attend over the cache (quantised: a transient copy, kv_cache.read)
-                latent = kv_cache.read(c.kv["latent"], start + n, q_lat.dtype)
-                k_rope = kv_cache.read(c.kv["k_rope"], start + n, q_lat.dtype)
+            if start:  # after the prompt, attend over the cache where it lies
+                return {"o_lat": cached_latent_attention(q_lat, q_rope, c.kv, start + n, start, self.spec)}
         return {"o_lat": latent_attention(q_lat, q_rope, latent, k_rope, self.spec, start)}  # [B, H, S, r]
 
     def _attn_out(self, c: StageCall) -> dict:
@@ -231,6 +230,17 @@ class MoeBackend(DenseBackend):
         w = c.weights
         o = expand_output(c.inputs["o_lat"], _kv_b(w), self.spec)            # [B, S, H * v]
         return {"x": linear(o, w["o"]).add_(c.inputs["x"])}
+
+
+def cached_latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv, end: int, start: int,
+                            spec: ModelSpec) -> torch.Tensor:
+    """``latent_attention`` over the latent cache's positions [0, end), read block by block where
+    it lies (``kv_cache.attend``: scores q_lat c^T + q_rope k_rope^T, values c; the latent is not
+    concatenated with its rope part, nor copied). q_lat [B, H, S, r], q_rope [B, H, S, rope] -> [B, H, S, r]."""
+    b, h, n, r = q_lat.shape
+    rows = (q_lat.reshape(b, 1, h * n, r), q_rope.reshape(b, 1, h * n, q_rope.shape[-1]))  # one shared head
+    o = kv_cache.attend(rows, (kv["latent"], kv["k_rope"]), kv["latent"], end, start, n, softmax_scale(spec))
+    return o.view(b, h, n, r)
 
 
 def _kv_b(w) -> MlaWeights:
