@@ -9,6 +9,9 @@ given sizes (no reserves), or a CPU-only one with ``gpu_gib=None``. Tests import
 from __future__ import annotations
 
 import dataclasses
+import sys
+
+import pytest
 
 from hetplan.hardware import DeviceSpec, HardwareSpec
 
@@ -54,3 +57,46 @@ the replay also slows overlaps those leave out: a prompt-KV copy to DRAM beside 
 out of DRAM, activation copies, and tasks that each use part of a bus but together exceed it.
 Measured: at most 2.3e-7 on the golden scenarios, 8.2% over 160 random small cases (the worst a
 DRAM of 21 GB/s effective under a 14 GB/s link with both copy directions busy)."""
+
+
+def emulation_allowance_bytes(plan) -> float:
+    """What an emulated run may hold beyond the plan's GPU bytes: with quantised weights it
+    computes in fp32 where the plan counts 16-bit activations, i.e. one more GPU workspace less
+    its dequantisation buffer (which the plan reserves, and the emulated ledger charges, at its
+    planned size); nothing otherwise."""
+    from hetplan.dtypes import DEQUANT_BYTES, QUANTISED
+    from hetplan.graph import dequant_buffer_elems, workspace_bytes
+    spec = plan.model
+    if spec.weight_dtype not in QUANTISED:
+        return 0.0
+    return workspace_bytes(spec, plan.workload, "gpu") - dequant_buffer_elems(spec) * DEQUANT_BYTES["gpu"]
+
+
+@pytest.fixture(autouse=True)
+def emulated_peak_within_the_plan(monkeypatch):
+    """Every emulated run any test makes (``hetplan.runtime.session.run_plan``) measures a GPU peak
+    at most the plan's GPU bytes (plus ``emulation_allowance_bytes``): plan peak >= measured peak."""
+    session = sys.modules.get("hetplan.runtime.session")
+    if session is None:  # no test module of this session runs plans
+        yield
+        return
+    plans = []
+    choose_mode, result = session.choose_mode, session.RunResult
+
+    def remember(plan, emulate):
+        plans.append(plan)
+        return choose_mode(plan, emulate)
+
+    def checked(**fields):
+        out = result(**fields)
+        if out.mode == "emulated" and plans:
+            plan = plans[-1]
+            allowed = plan.memory["gpu_bytes"] + emulation_allowance_bytes(plan)
+            assert out.peak_bytes["gpu"] <= allowed, (
+                f"emulated run of {plan.model.name}: measured GPU peak {out.peak_bytes['gpu']} B > "
+                f"the plan's {plan.memory['gpu_bytes']:.0f} B (+ {allowed - plan.memory['gpu_bytes']:.0f} B allowed)")
+        return out
+
+    monkeypatch.setattr(session, "choose_mode", remember)
+    monkeypatch.setattr(session, "RunResult", checked)
+    yield
