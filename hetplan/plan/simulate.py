@@ -23,6 +23,10 @@ compute task of its block in that phase; two occupancies of one slot must not ov
 numbered ``0 .. depth - 1``, and a compute task that reads a slot starts after its load ended.
 Those are checked on the replay's times; the graph must also guarantee them whatever the tasks
 really take (``check_slot_reuse``): every reader of a slot is an ancestor of the next load into it.
+
+Values waiting for copies to the host (``hetplan.plan.waiting``, restated there): the GPU peak
+also holds the most bytes that copies out of the GPU keep in HBM at one instant of the replay,
+and the plan's ``memory.breakdown.gpu.copies_out`` must not be below it.
 """
 
 from __future__ import annotations
