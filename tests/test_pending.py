@@ -93,11 +93,13 @@ def test_the_plan_counts_the_copies_the_simulator_replays(deepseek_plan):
     assert plan.memory["gpu_bytes"] <= plan.memory["gpu_budget_bytes"]
 
 
-def test_no_interleaving_makes_a_copy_wait_beside_a_stage_the_timeline_does_not(deepseek_plan):
+@pytest.mark.parametrize("which", ["deepseek_plan", "dram_kv_plan"])
+def test_no_interleaving_makes_a_copy_wait_beside_a_stage_the_timeline_does_not(which, request):
     """For every copy c out of the GPU, the GPU stages that some order of the lanes could run
     while c's value waits (after c's GPU predecessor on the GPU queue, and not ordered after c
     by edges and queue orders) all overlap c's window on the timeline."""
-    for phase, sched in deepseek_plan.schedule.items():
+    plan = request.getfixturevalue(which)
+    for phase, sched in plan.schedule.items():
         after = {t.id: [] for t in sched.tasks}
         for src, dst in sched.edges:
             after[src].append(dst)
