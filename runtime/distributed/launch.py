@@ -21,6 +21,7 @@ every message wait at most ``timeout_s`` (``--dist-timeout``). Intra-op threads 
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import signal
@@ -145,8 +146,10 @@ def _child(plan, rank, init, opts, timeout_s, progress, threads, results) -> Non
     torch.set_num_threads(threads)
     try:
         result = run_rank(plan, rank, init, opts, timeout_s, progress)
-        if result is not None:
-            results.put(result)
+        if result is not None:  # as bytes: tensors put on a queue as such live in shared memory
+            buf = io.BytesIO()   # that goes when this process exits, before the launcher reads them
+            torch.save(result, buf)
+            results.put(buf.getvalue())
     except HetplanError as e:
         _say(str(e))
         sys.exit(2)
@@ -206,4 +209,4 @@ def _watch(procs, results) -> PipelineResult:
             result = results.get(timeout=5)
         except queue.Empty:
             raise HetplanError("the pipeline run ended without a result from its last stage") from None
-    return result
+    return torch.load(io.BytesIO(result), weights_only=False)
