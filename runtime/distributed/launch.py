@@ -66,6 +66,8 @@ def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOU
         if mode == "cuda":
             torch.cuda.set_device(gpu)
         return PreparedStage(plan, 0, opts, mode).run(None, progress)
+    for rank in range(world):  # this machine runs every stage: refuse one it cannot before starting any
+        stage_device(plan, rank, opts.emulate)
     return _spawn(plan, opts, timeout_s, progress)
 
 

@@ -22,9 +22,11 @@ from hetplan.errors import HetplanError
 
 
 def _reason(e: BaseException) -> str:
-    """The first line of a torch.distributed error without its source location."""
+    """The first sentence of a torch.distributed error, without its source location (gloo adds
+    advice after it)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return re.sub(r"\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text).strip()
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text).strip()
+    return re.split(r"\.\s+(?=[A-Z])", text, maxsplit=1)[0].rstrip(".")
 
 
 def join(rank: int, world: int, backend: str, init_method: str, timeout_s: float, name: str) -> None:

@@ -11,16 +11,14 @@ import torch
 from hetplan.runtime.distributed.launch import run_pipeline
 from hetplan.runtime.session import RunOptions
 from hetplan.workload import Workload
-from tests.distributed.pipelines import NODE, save_llama, pipeline_plan, tiers
+from tests.distributed.pipelines import pipeline_plan, tiers
 
 PROMPT_LEN, GEN_LEN, TOL = 8, 12, 1e-4
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("llama")
-    model = save_llama(d)
-    (d.parent / "node.yaml").write_text(NODE)
+def llama(llama_files):
+    d, node, model = llama_files
     ids = torch.randint(0, 128, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -31,7 +29,7 @@ def llama(tmp_path_factory):
     steps = torch.stack(out.logits)                                    # [G, B, V]
     top2 = steps.topk(2, dim=-1).values
     assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "fixture too close to a greedy tie"
-    return d, d.parent / "node.yaml", ids, {"prefill": full, "steps": steps,
+    return d, node, ids, {"prefill": full, "steps": steps,
                                             "tokens": out.sequences[:, PROMPT_LEN:].tolist()}
 
 

@@ -1,0 +1,120 @@
+"""A pipeline run never hangs: a stage process killed mid-run makes the others exit with one
+line within seconds; a rendezvous that never completes ends within --dist-timeout, one line,
+exit 2; a process count that does not match the stages, or a GPU plan without a GPU, is refused
+at once. The processes are started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), one ``python -m hetplan exec`` each."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from hetplan.workload import Workload
+from tests.distributed.pipelines import pipeline_plan
+
+LONG = Workload(1, 8, 4000, prefill_chunk=8)
+"""Decode long enough (thousands of steps) that a run killed after its first step is mid-run."""
+
+
+@pytest.fixture(scope="module")
+def three_stages(llama_files, tmp_path_factory):
+    model_dir, node, _ = llama_files
+    path = tmp_path_factory.mktemp("plans") / "three.json"
+    pipeline_plan(model_dir, node, [0, 1, 3, 4], ["all-gpu", "stream", "ngl:0"], LONG, path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(plan_path, rank: int, world: int, port: int, *extra) -> subprocess.Popen:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "hetplan", "exec", str(plan_path), "--weights", "random",
+                             "--emulate", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def errors(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if line.startswith("hetplan: error:")]
+
+
+def lines_of(proc: subprocess.Popen) -> queue.Queue:
+    """proc's stderr lines as they come (None at its end)."""
+    q = queue.Queue()
+
+    def pump():
+        for line in proc.stderr:
+            q.put(line)
+        q.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def test_a_killed_stage_makes_the_others_exit_with_one_line_within_seconds(three_stages):
+    port = free_port()
+    procs = [start(three_stages, r, 3, port, "--dist-timeout", "120") for r in range(3)]
+    try:
+        last = lines_of(procs[2])
+        seen, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:  # the last stage reports decode steps as they end
+            line = last.get(timeout=deadline - time.monotonic())
+            assert line is not None, f"the last stage ended before decoding: {''.join(seen)}"
+            seen.append(line)
+            if line.startswith("decode "):
+                break
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        rcs = [procs[r].wait(timeout=60) for r in (0, 2)]
+        took = time.monotonic() - killed
+        stderr = {0: procs[0].stderr.read(), 2: "".join(seen) + "".join(iter(lambda: last.get() or "", ""))}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert rcs == [2, 2]
+    assert took < 15, f"the other stages took {took:.1f} s to stop"
+    for r in (0, 2):
+        (line,) = errors(stderr[r])
+        assert line.startswith(f"hetplan: error: stage {r}: ") and "failed" in line and "stops" in line
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rendezvous_that_never_completes_ends_in_one_line_within_the_timeout(three_stages, rank):
+    t0 = time.monotonic()
+    proc = start(three_stages, rank, 3, free_port(), "--dist-timeout", "3")
+    _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 2
+    (line,) = errors(stderr)
+    assert f"stage {rank}: the rendezvous" in line and "within 3 s" in line
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_process_count_other_than_the_stages_is_refused_at_once(three_stages):
+    proc = start(three_stages, 0, 2, free_port(), "--dist-timeout", "60")
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    (line,) = errors(stderr)
+    assert "WORLD_SIZE 2" in line and "3 stage(s)" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gpu_pipeline_without_a_gpu_is_refused_before_any_process_starts(three_stages):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "hetplan", "exec", str(three_stages), "--weights", "random",
+                           "--no-emulate"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    (line,) = errors(proc.stderr)
+    assert "no CUDA device" in line
