@@ -5,6 +5,10 @@ and stages that stream their blocks or compute them on the CPU."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -60,3 +64,30 @@ def test_stage_processes_compute_what_transformers_computes(llama, case, tmp_pat
     assert (steps - ref["steps"][1:]).abs().max() <= TOL * ref["steps"].abs().max()
     assert [s["layers"] for s in result.stages] == [[a, b] for a, b in zip(cuts, cuts[1:])]
     assert all(s["busy_decode_s"] > 0 for s in result.stages)
+
+
+def test_a_pipeline_of_one_stage_runs_in_this_process(llama, tmp_path):
+    """A pipeline can use one GPU only (not GPU 0: here GPU 1 is never used, stage 0 runs on GPU 0
+    with streamed blocks); it runs without a process group."""
+    model_dir, node, ids, ref = llama
+    plan = pipeline_plan(model_dir, node, [0, 4], ["stream"], Workload(1, PROMPT_LEN, GEN_LEN, prefill_chunk=PROMPT_LEN),
+                         tmp_path / "plan.json")
+    opts = RunOptions(weights=str(model_dir), prompt_ids=tuple(ids.tolist()), keep_logits=True, emulate=True)
+    result = run_pipeline(plan, opts, timeout_s=60)
+    assert result.tokens == ref["tokens"]
+    assert (torch.stack(result.logits) - ref["steps"]).abs().max() <= TOL * ref["steps"].abs().max()
+
+
+def test_hetplan_exec_runs_the_pipeline_and_reports_each_stage(llama, tmp_path):
+    model_dir, node, ids, ref = llama
+    plan_path = tmp_path / "plan.json"
+    pipeline_plan(model_dir, node, [0, 3, 4], ["ngl:1", "stream"], Workload(1, PROMPT_LEN, GEN_LEN, prefill_chunk=PROMPT_LEN),
+                  plan_path)
+    out = subprocess.run([sys.executable, "-m", "hetplan", "exec", str(plan_path), "--weights", str(model_dir),
+                          "--prompt-ids", ",".join(map(str, ids[0].tolist())), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["tokens"] == ref["tokens"]
+    assert [s["layers"] for s in got["stages"]] == [[0, 3], [3, 4]]
+    assert got["modes"] == ["emulated", "emulated"] and got["comparable"] is False
