@@ -32,6 +32,7 @@ import time
 import torch
 
 from hetplan.errors import HetplanError
+from hetplan.pipeline.record import stage_plan
 from hetplan.plan import Plan
 from hetplan.runtime.distributed.peers import Peers, join, leave
 from hetplan.runtime.distributed.worker import PipelineResult, PreparedStage, stage_device
@@ -81,18 +82,22 @@ def _env_int(name: str) -> int:
 
 def message_backend(plan: Plan, emulate: bool | None) -> str:
     """``nccl`` when every stage runs on a CUDA GPU here, else ``gloo``."""
-    modes = {choose_mode_of(plan, r, emulate) for r in range(len(plan.pipeline["stages"]))}
+    modes = {choose_mode(stage_plan(plan, r), emulate) for r in range(len(plan.pipeline["stages"]))}
     return "nccl" if modes == {"cuda"} else "gloo"
-
-
-def choose_mode_of(plan: Plan, rank: int, emulate: bool | None) -> str:
-    from hetplan.pipeline.record import stage_plan
-    return choose_mode(stage_plan(plan, rank), emulate)
 
 
 def run_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float,
              progress=None) -> PipelineResult | None:
     """Be stage ``rank``: rendezvous, place the stage, agree that every stage is ready, run."""
+    try:
+        return _be_rank(plan, rank, init_method, opts, timeout_s, progress)
+    except HetplanError as e:  # every line a stage process says names the stage
+        if str(e).startswith(f"stage {rank}:"):
+            raise
+        raise HetplanError(f"stage {rank}: {e}") from None
+
+
+def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, progress):
     world, name = len(plan.pipeline["stages"]), f"stage {rank}"
     backend = message_backend(plan, opts.emulate)
     join(rank, world, backend, init_method, timeout_s, name)
@@ -173,7 +178,7 @@ def _say(text: str) -> None:
 def _watch(procs, results) -> PipelineResult:
     """Wait for every stage process; the last stage's result, or a HetplanError saying which one
     failed first (each failed process has said why on its own line)."""
-    result, failed, deadline = None, None, None
+    result, failed, deadline = None, [], None
     try:
         while True:
             try:
@@ -181,17 +186,15 @@ def _watch(procs, results) -> PipelineResult:
             except queue.Empty:
                 pass
             codes = [p.exitcode for p in procs]
-            if failed is None:
-                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
-                    failed, deadline = bad[0], time.monotonic() + GRACE_S
+            failed += [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in dict(failed)]
+            if failed and deadline is None:
+                deadline = time.monotonic() + GRACE_S
             if all(c is not None for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
                 for p in procs:
                     if p.exitcode is None:
                         p.kill()
-                deadline = None
     except KeyboardInterrupt:
         for p in procs:
             if p.exitcode is None:
@@ -201,11 +204,10 @@ def _watch(procs, results) -> PipelineResult:
         raise
     for p in procs:
         p.join()
-    if failed is not None:
-        rank, code = failed
-        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-               else f"exited with status {code}")
-        raise HetplanError(f"the pipeline run stopped: stage {rank} {how}")
+    if failed:
+        how = [f"stage {r} " + (f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with status {c}")
+               for r, c in failed]
+        raise HetplanError(f"the pipeline run stopped: {', then '.join(how)}")
     if result is None:
         try:
             result = results.get(timeout=5)

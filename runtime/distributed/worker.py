@@ -154,8 +154,9 @@ class _Ring:
         if self.first:
             inputs = {"ids": ids}
         else:
-            inputs = {"x": self.peers.recv((batch, n, self.hidden), self.wire, self.rank - 1,
-                                           f"receiving the {phase} hidden state from")}
+            x = self.peers.recv((batch, n, self.hidden), self.wire, self.rank - 1,
+                                f"receiving the {phase} hidden state from")
+            inputs = {"x": x.to(self.runner.dtype)}     # [B, S, D], in this stage's compute dtype
         out, busy = self.runner.forward(step, inputs)
         tok = logits = None
         if self.last:

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+import transformers
 
 from hetplan.workload import Workload
 from tests.distributed.pipelines import pipeline_plan
@@ -118,3 +119,26 @@ def test_a_gpu_pipeline_without_a_gpu_is_refused_before_any_process_starts(three
     assert proc.returncode == 2
     (line,) = errors(proc.stderr)
     assert "no CUDA device" in line
+
+
+def test_a_stage_that_cannot_place_its_blocks_stops_every_process_before_the_run(llama_files, tmp_path):
+    """A checkpoint of three layers for a plan of four: stage 1 (layers 2-3) misses layer 3's
+    tensors; stage 0 could run but says it was not started, naming stage 1 and why."""
+    model_dir, node, _ = llama_files
+    plan_path = tmp_path / "plan.json"
+    pipeline_plan(model_dir, node, [0, 2, 4], ["all-gpu", "all-gpu"], Workload(1, 8, 4, prefill_chunk=8), plan_path)
+    short = tmp_path / "three-layers"
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = 3
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(short, safe_serialization=True)
+    out = subprocess.run([sys.executable, "-m", "hetplan", "exec", str(plan_path), "--weights", str(short),
+                          "--emulate", "--dist-timeout", "60"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    lines = errors(out.stderr)
+    assert len(lines) == 3, out.stderr   # each stage process, and the launcher
+    (own,) = [l for l in lines if l.startswith("hetplan: error: stage 1:")]
+    (other,) = [l for l in lines if l.startswith("hetplan: error: stage 0:")]
+    assert "model.layers.3." in own
+    assert other.startswith("hetplan: error: stage 0: not started: stage 1 cannot run (") and "model.layers.3." in other
+    (launcher,) = [l for l in lines if l.startswith("hetplan: error: the pipeline run stopped: ")]
+    assert "stage 0 exited with status 2" in launcher and "stage 1 exited with status 2" in launcher
