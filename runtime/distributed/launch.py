@@ -100,16 +100,20 @@ def run_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_
 def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, progress):
     world, name = len(plan.pipeline["stages"]), f"stage {rank}"
     backend = message_backend(plan, opts.emulate)
+    prepared, problem, mode = None, None, None
+    try:   # said to the others once the rendezvous is done, so that every process stops at once
+        mode, gpu = stage_device(plan, rank, opts.emulate)
+        if mode == "cuda":
+            torch.cuda.set_device(gpu)   # before the rendezvous: NCCL's communicators use it
+    except HetplanError as e:
+        problem = str(e)
     join(rank, world, backend, init_method, timeout_s, name)
     try:
-        prepared, problem = None, None
-        try:
-            mode, gpu = stage_device(plan, rank, opts.emulate)
-            if mode == "cuda":
-                torch.cuda.set_device(gpu)
-            prepared = PreparedStage(plan, rank, opts, mode)
-        except HetplanError as e:
-            problem = str(e)
+        if problem is None:
+            try:
+                prepared = PreparedStage(plan, rank, opts, mode)
+            except HetplanError as e:
+                problem = str(e)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         peers = Peers(rank, world, device, name, timeout_s)
         ready = peers.all_gather(problem)
