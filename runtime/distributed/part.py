@@ -8,8 +8,10 @@ same plan with:
   tasks are dropped, and the edges through a dropped task are kept as edges around it (from each
   of its predecessors, by edge or by queue, to each of its successors), so no order is lost;
   a middle stage's program then reads the hidden state ``x`` and writes it;
-- each layer's index shifted to its place in the whole model (``layer + first``), so weights are
-  read by their checkpoint names, and the whole model's spec for the backend.
+- each layer's index shifted to its place in the whole model (``layer + first``), and its blocks
+  named after it (``attn_1`` of a stage from layer 2 is ``attn_3``, in the placement, the tasks
+  and their ids), so weights are read by their checkpoint names and messages name the model's
+  blocks; and the whole model's spec for the backend.
 
 Pure Python over the plan: no torch, no devices.
 """
@@ -26,10 +28,29 @@ from hetplan.plan.format import PhaseSchedule
 def stage_part(stage: Plan, model: ModelSpec, first: int, end: int) -> Plan:
     """``stage`` (layers ``[first, end)`` of ``model``, numbered from 0) as its process runs it."""
     drop = ({"embed"} if first > 0 else set()) | ({"head"} if end < model.n_layers else set())
-    placement = tuple(p if p["layer"] is None else dict(p, layer=p["layer"] + first)
+    names = {p["block"]: _renamed(p["block"], p["layer"], first) for p in stage.placement if p["layer"] is not None}
+    placement = tuple(p if p["layer"] is None else dict(p, block=names[p["block"]], layer=p["layer"] + first)
                       for p in stage.placement if p["block"] not in drop)
-    schedule = {ph: without_blocks(s, drop) for ph, s in stage.schedule.items()}
+    schedule = {ph: renamed_blocks(without_blocks(s, drop), names) for ph, s in stage.schedule.items()}
     return dataclasses.replace(stage, model=model, placement=placement, schedule=schedule)
+
+
+def _renamed(block: str, layer: int, first: int) -> str:
+    """``attn_1`` of layer 1 -> ``attn_{1 + first}``; a name that does not end in its layer is kept."""
+    head, _, tail = block.rpartition("_")
+    return f"{head}_{layer + first}" if head and tail == str(layer) else block
+
+
+def renamed_blocks(schedule: PhaseSchedule, names: dict) -> PhaseSchedule:
+    """``schedule`` with blocks renamed by ``names`` (old -> new), in each task's block and in the
+    last part of its id (a task's id ends in its block: ``mlp/mlp_1``, ``act_up/attn_in/attn_1``)."""
+    ids, tasks = {}, []
+    for t in schedule.tasks:
+        new = names.get(t.block, t.block)
+        head, _, last = t.id.rpartition("/")
+        ids[t.id] = f"{head}/{new}" if last == t.block and head else t.id
+        tasks.append(dataclasses.replace(t, id=ids[t.id], block=new))
+    return PhaseSchedule(tuple(tasks), tuple((ids[a], ids[b]) for a, b in schedule.edges))
 
 
 def without_blocks(schedule: PhaseSchedule, drop: set) -> PhaseSchedule:

@@ -81,8 +81,11 @@ def test_middle_stages_run_without_embedding_or_head_and_with_their_layers_in_th
         assert ("embed" in blocks) == (a == 0) and ("head" in blocks) == (b == L)
         assert sorted(p["layer"] for p in part.placement if p["layer"] is not None) == \
             sorted([l for l in range(a, b)] * 2)
+        assert blocks - {"embed", "head"} == {f"{k}_{l}" for k in ("attn", "mlp") for l in range(a, b)}
         for sched in part.schedule.values():
-            assert all(t.block in blocks for t in sched.tasks)
+            assert all(t.block in blocks and t.id.endswith("/" + t.block) for t in sched.tasks)
+            ids = {t.id for t in sched.tasks}
+            assert all(src in ids and dst in ids for src, dst in sched.edges)
 
 
 def task(id_, resource, block, kind="mlp"):
