@@ -64,9 +64,11 @@ def lines_of(proc: subprocess.Popen) -> queue.Queue:
     return q
 
 
-def test_a_killed_stage_makes_the_others_exit_with_one_line_within_seconds(three_stages):
+def stop_mid_run(three_stages, sig, timeout_s: int):
+    """Start three stage processes, send stage 1 ``sig`` once the last one decodes -> (exit codes
+    of stages 0 and 2, seconds they took to exit after it, their stderr)."""
     port = free_port()
-    procs = [start(three_stages, r, 3, port, "--dist-timeout", "120") for r in range(3)]
+    procs = [start(three_stages, r, 3, port, "--dist-timeout", str(timeout_s)) for r in range(3)]
     try:
         last = lines_of(procs[2])
         seen, deadline = [], time.monotonic() + 120
@@ -76,20 +78,37 @@ def test_a_killed_stage_makes_the_others_exit_with_one_line_within_seconds(three
             seen.append(line)
             if line.startswith("decode "):
                 break
-        procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        rcs = [procs[r].wait(timeout=60) for r in (0, 2)]
-        took = time.monotonic() - killed
+        procs[1].send_signal(sig)
+        stopped = time.monotonic()
+        rcs = [procs[r].wait(timeout=timeout_s + 60) for r in (0, 2)]
+        took = time.monotonic() - stopped
         stderr = {0: procs[0].stderr.read(), 2: "".join(seen) + "".join(iter(lambda: last.get() or "", ""))}
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return rcs, took, stderr
+
+
+def test_a_killed_stage_makes_the_others_exit_with_one_line_within_seconds(three_stages):
+    rcs, took, stderr = stop_mid_run(three_stages, signal.SIGKILL, 120)
     assert rcs == [2, 2]
     assert took < 15, f"the other stages took {took:.1f} s to stop"
     for r in (0, 2):
         (line,) = errors(stderr[r])
         assert line.startswith(f"hetplan: error: stage {r}: ") and "failed" in line and "stops" in line
+
+
+def test_a_hung_stage_makes_the_others_exit_with_one_line_within_the_timeout(three_stages):
+    """Stage 1 stopped (SIGSTOP), its connections open: stage 2 gives up waiting for it after
+    --dist-timeout, and stage 0, waiting for stage 2, as soon as stage 2 has gone."""
+    rcs, took, stderr = stop_mid_run(three_stages, signal.SIGSTOP, 15)
+    assert rcs == [2, 2]
+    assert 15 <= took < 15 + 20, f"the other stages took {took:.1f} s to stop"
+    (line,) = errors(stderr[2])
+    assert line.startswith("hetplan: error: stage 2: receiving the decode hidden state from stage 1 failed: Timed out")
+    (line,) = errors(stderr[0])
+    assert line.startswith("hetplan: error: stage 0: ") and "stage 2 failed" in line
 
 
 @pytest.mark.parametrize("rank", [0, 1])
