@@ -1,7 +1,7 @@
 """A pipeline plan run as four gloo processes on this CPU: each stage's measured busy time
 against the plan's predicted stage time.
 
-    python -W ignore bench/pipeline_cpu.py [--work DIR] [--gen 32] [--prompt 128]
+    python -W ignore bench/pipeline_cpu.py [--work DIR] [--gen 32] [--prompt 128] [--reps 3]
 
 The machine is described to the planner as it will run: a node of four "GPUs" that are this
 CPU, one thread each (every stage process computes with one intra-op thread: the launcher gives
@@ -15,7 +15,9 @@ fp32, random weights (``--weights random``: each process makes only its own bloc
 The plan is compiled by ``compile_plan`` (``hetplan compile``) and run by ``run_pipeline``
 (``hetplan exec``): one spawned process per stage, gloo between them, emulated GPUs. Busy time
 is a stage's own compute (its executor's wall time per pass, not the waits for the other
-stages): the timed prefill, and the mean of the decode steps. The ratio is measured / predicted.
+stages): the timed prefill, and the mean of the decode steps. The run is repeated ``--reps``
+times (fresh processes each), and each figure is the median over the runs (a prefill is one
+pass per run: on a shared machine one sample is noisy). The ratio is measured / predicted.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -71,6 +74,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="Where the model config and node.yaml go (default: a temp dir).")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from hetplan.compiler import CompileRequest, compile_plan
     from hetplan.runtime.distributed.launch import run_pipeline
@@ -89,22 +93,29 @@ def main() -> None:
     print(f"compiled in {ct.wall_s:.1f} s: stages "
           + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1} ({s['weights']['gpu']}/{s['weights']['stream']}/"
                       f"{s['weights']['cpu']} blocks gpu/stream/cpu)" for s in plan.pipeline["stages"]))
-    t0 = time.perf_counter()
-    r = run_pipeline(plan, RunOptions(weights="random", emulate=True), timeout_s=600)
-    print(f"ran 4 processes (gloo, emulated GPUs, {max(1, (os.cpu_count() or 1) // 4)} thread each) in "
-          f"{time.perf_counter() - t0:.1f} s; prompt {args.prompt}, {args.gen} tokens, batch 1")
+    runs, t0 = [], time.perf_counter()
+    for _ in range(args.reps):
+        runs.append(run_pipeline(plan, RunOptions(weights="random", emulate=True), timeout_s=600))
+    print(f"ran 4 processes (gloo, emulated GPUs, {max(1, (os.cpu_count() or 1) // 4)} thread each) {args.reps} "
+          f"times in {time.perf_counter() - t0:.1f} s; prompt {args.prompt}, {args.gen} tokens, batch 1; medians")
+
+    def med(key, i=None):
+        return statistics.median(r.stages[i][key] if i is not None else r.measured[key] for r in runs)
+
     print("| stage | layers | prefill busy | predicted | ratio | decode busy | predicted | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for s in r.stages:
+    for i, s in enumerate(runs[0].stages):
         a, b = s["layers"]
-        bp, pp, bd, pd = s["busy_prefill_s"], s["predicted_ttft_s"], s["busy_decode_s"], s["predicted_tpot_s"]
+        bp, pp, bd, pd = med("busy_prefill_s", i), s["predicted_ttft_s"], med("busy_decode_s", i), s["predicted_tpot_s"]
         print(f"| {s['rank']} | {a}-{b - 1} | {bp * 1e3:.2f} ms | {pp * 1e3:.2f} ms | {bp / pp:.2f} | "
               f"{bd * 1e3:.2f} ms | {pd * 1e3:.2f} ms | {bd / pd:.2f} |")
-    m, p = r.measured, r.predicted
-    busy_d = sum(s["busy_decode_s"] for s in r.stages)
-    print(f"whole pipeline: TTFT {m['ttft_s'] * 1e3:.1f} ms (predicted {p['ttft_s'] * 1e3:.1f}), TPOT "
-          f"{m['tpot_s'] * 1e3:.2f} ms (predicted {p['tpot_s'] * 1e3:.2f}); the stages' decode busy time adds up "
-          f"to {busy_d * 1e3:.2f} ms, so {(m['tpot_s'] - busy_d) * 1e3:.2f} ms a token is messages and waiting")
+    p = runs[0].predicted
+    busy_d = sum(med("busy_decode_s", i) for i in range(len(runs[0].stages)))
+    print(f"whole pipeline: TTFT {med('ttft_s') * 1e3:.1f} ms (predicted {p['ttft_s'] * 1e3:.1f}), TPOT "
+          f"{med('tpot_s') * 1e3:.2f} ms (predicted {p['tpot_s'] * 1e3:.2f}); the stages' decode busy time adds up "
+          f"to {busy_d * 1e3:.2f} ms, so {(med('tpot_s') - busy_d) * 1e3:.2f} ms a token is messages and waiting")
+    print("per run, prefill busy / predicted by stage: " + "; ".join(
+        " ".join(f"{s['busy_prefill_s'] / s['predicted_ttft_s']:.2f}" for s in r.stages) for r in runs))
 
 
 if __name__ == "__main__":
