@@ -5,7 +5,7 @@ cut down to the blocks it holds (``part``: its layers, the embedding on the firs
 the head on the last only), placed and executed by the ordinary runtime (``Residency``,
 ``Executor``; ``stage``). Between stages the hidden state goes forward with point-to-point
 ``isend``/``irecv``, and the last stage's sampled token goes back to the first for the next
-decode step (``peers``, ``generate``): NCCL between real GPUs, gloo otherwise. ``launch`` starts
+decode step (``worker``, ``peers``): NCCL between real GPUs, gloo otherwise. ``launch`` starts
 the processes: ``torch.multiprocessing`` (spawn) with a TCP rendezvous on 127.0.0.1, or, under
 ``torchrun`` (its ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), this process as one
 rank, one command per node. A process that dies makes the others stop with one line, within
