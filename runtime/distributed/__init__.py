@@ -12,6 +12,7 @@ rank, one command per node. A process that dies makes the others stop with one l
 seconds when its connections close and within the run's timeout otherwise.
 
 Knows nothing about how stages were chosen (``hetplan.pipeline``), the model math (the
-backends') or the command line. No transport of its own: every byte between processes goes
-through ``torch.distributed``.
+backends') or the command line. No transport of its own: every byte between stages goes
+through ``torch.distributed`` (the local launcher receives the last stage's result through a
+``multiprocessing`` queue).
 """
