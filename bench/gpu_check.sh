@@ -72,7 +72,7 @@ smoke() {
 cuda_tests() {
   # every test with a CUDA parameter or a CUDA-only test: -k cuda selects both
   "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -k "cuda" \
-    tests/exec tests/moe
+    tests/exec tests/moe tests/distributed
 }
 
 delays() {

@@ -148,7 +148,7 @@ def with_pipeline(plan: Plan, req: CompileRequest) -> Plan:
     used = ", ".join(f"GPU {s.gpu} layers {s.first_layer}-{s.end_layer - 1}" for s in pp.stages)
     req.notes.append(f"pipeline over {len(pp.stages)} of {len(hw.gpus)} GPUs ({used}): decode "
                      f"{pred['decode_tokens_per_s']:.3g} tok/s, {pred['decode_tokens_per_s'] / plan.predicted['decode_tokens_per_s']:.2f}x "
-                     f"GPU 0 alone; recorded in the plan's 'pipeline' (hetplan exec runs GPU 0's plan)")
+                     f"GPU 0 alone; recorded in the plan's 'pipeline' (hetplan exec runs it, one process per stage)")
     return dataclasses.replace(plan, pipeline=pp.to_dict())
 
 

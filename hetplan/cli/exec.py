@@ -65,8 +65,11 @@ class _Progress:
 @click.option("--record-routing", "routing_path", default=None,
               help="Write how often each expert was chosen (MoE models; hetplan.routing format).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's metrics as one JSON object.")
+@click.option("--dist-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="A plan with a pipeline: seconds to wait for the stage processes' rendezvous and for any "
+                   "one message between them.")
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
-            emulate, routing_path, as_json):
+            emulate, routing_path, as_json, dist_timeout):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
     distinct_targets({"--trace": trace_path, "--record-routing": routing_path},
                      {"PLAN": plan_path, "--weights": weights, "--model": model_path})
@@ -97,6 +100,12 @@ def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, g
                       prompt_ids=parse_prompt_ids(prompt_ids) if prompt_ids is not None else None,
                       gen_len=gen_len, temperature=temperature or 0.0, emulate=emulate,
                       trace=trace_path is not None, record_routing=routing_path is not None)
+    if plan.pipeline is not None:
+        from hetplan.cli import exec_pipeline
+        exec_pipeline.refuse_unsupported(trace_path, routing_path)
+        with step("running the pipeline, one process per stage (Ctrl-C stops)"), cancellable():
+            exec_pipeline.run(plan, opts, dist_timeout, as_json, _Progress(None))
+        return
     note = None
     if emulate is None and choose_mode(plan, None) == "emulated":
         note = "no CUDA device: the plan's GPU is emulated on the CPU (--emulate)"

@@ -11,6 +11,7 @@ from hetplan import cost
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
+from hetplan.pipeline.record import stage_record
 from hetplan.pipeline.stages import hidden_bytes, stage_problem
 from hetplan.workload import Workload
 
@@ -56,7 +57,7 @@ class PipelinePlan:
                 "stages": [{"gpu": s.gpu, "layers": [s.first_layer, s.end_layer],
                             "ttft_s": s.plan.predicted["ttft_s"], "tpot_s": s.plan.predicted["tpot_s"],
                             "gpu_bytes": s.plan.memory["gpu_bytes"], "cpu_bytes": s.plan.memory["cpu_bytes"],
-                            "weights": _tiers(s.plan)} for s in self.stages],
+                            "weights": _tiers(s.plan), "plan": stage_record(s.plan)} for s in self.stages],
                 "links": [{"from_gpu": l["from"], "to_gpu": l["to"], "kind": l["kind"], "prefill_s": l["prefill_s"],
                            "decode_s": l["decode_s"]} for l in self.links],
                 "predicted": self.predicted()}

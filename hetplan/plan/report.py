@@ -202,8 +202,8 @@ def pipeline_section(plan: Plan) -> str:
     table = format_table(["stage", "layers", "blocks gpu/stream/cpu", "GPU mem", "TTFT", "TPOT"], rows,
                          right={3, 4, 5})
     p, one = pp["predicted"], plan.predicted
-    return (f"pipeline over {len(pp['stages'])} of {len(plan.hardware.gpus)} GPUs (the rest of this plan is "
-            f"GPU 0 alone, what hetplan exec runs)\n{table}\n"
+    return (f"pipeline over {len(pp['stages'])} of {len(plan.hardware.gpus)} GPUs (what hetplan exec runs, one "
+            f"process per stage; the rest of this plan is GPU 0 alone)\n{table}\n"
             f"  TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])}: decode "
             f"{p['decode_tokens_per_s']:.2f} tok/s ({p['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f}x GPU 0 "
             f"alone), prefill {p['prefill_tokens_per_s']:.1f} tok/s "

@@ -1,21 +1,50 @@
 """plan.json's ``pipeline``: the stages of a plan over several GPUs, their links and what the
-whole predicts (``hetplan.pipeline.PipelinePlan.to_dict`` writes it). Strict like the rest of
-the plan schema; knows nothing about how the stages were chosen.
+whole predicts (``hetplan.pipeline.PipelinePlan.to_dict`` writes it), and each stage's own
+single-GPU plan (``hetplan.pipeline.record``), made of the plan schema's own pieces. Strict like
+the rest of the plan schema; knows nothing about how the stages were chosen.
+
+The pieces come from ``hetplan.schema.plan``, which imports this module after defining them;
+this module takes them at its end, so either may be imported first.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from hetplan.schema.fields import Bytes, Count, Seconds, Strict, TokenRate, count
+from hetplan.schema.fields import Bytes, Count, Seconds, Strict, TokenRate, count, quantity
 
 
 class StageTiers(Strict):
     gpu: Count = Field(description="blocks resident in this stage's GPU")
     stream: Count = Field(description="blocks streamed to it")
     cpu: Count = Field(description="blocks computed on the CPU")
+
+
+class StagePlan(Strict):
+    """One stage's single-GPU plan, its layers numbered from 0; the model (its layer range), the
+    node (the stage's GPU alone) and the workload are the whole plan's."""
+    solver: Solver = Field(description="how the stage's plan was found")
+    placement: Annotated[list[Placement], Field(min_length=1)] = Field(description="one row per block of the stage")
+    staging: Staging = Field(description="the stage's staging buffers")
+    memory: Memory = Field(description="bytes the stage uses and may use per tier")
+    predicted: Predicted = Field(description="what the stage alone should achieve")
+    schedule: Schedule = Field(description="the stage's timeline of each phase")
+    cpu_attention_bytes_per_cache_byte: quantity("bytes/byte", 64.0, 1.0) = Field(
+        1.0, description="as the plan's key of that name, for this stage")
+
+    @model_validator(mode="after")
+    def _tasks_name_its_blocks(self):
+        blocks = [p.block for p in self.placement]
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("placement: a block appears twice")
+        for phase in ("prefill", "decode"):
+            for t in getattr(self.schedule, phase).tasks:
+                if t.block not in blocks:
+                    raise ValueError(f"schedule.{phase}: task {t.id!r} belongs to block {t.block!r}, "
+                                     f"which the stage's placement does not list")
+        return self
 
 
 class PipelineStage(Strict):
@@ -26,6 +55,8 @@ class PipelineStage(Strict):
     gpu_bytes: Bytes = Field(description="bytes on its GPU")
     cpu_bytes: Bytes = Field(description="bytes of its blocks in DRAM")
     weights: StageTiers = Field(description="its blocks per weights tier")
+    plan: StagePlan | None = Field(None, description="the stage's own plan, what its process runs "
+                                   "(absent in plans written before it was recorded)")
 
 
 class PipelineLink(Strict):
@@ -52,3 +83,10 @@ class Pipeline(Strict):
         description="contiguous layer ranges, in order")
     links: Annotated[list[PipelineLink], Field(max_length=1023)] = Field(description="between consecutive stages")
     predicted: PipelinePredicted = Field(description="what the pipeline should achieve")
+
+
+# the plan schema's pieces a stage's plan is made of (see the module docstring)
+from hetplan.schema.plan import Memory, Placement, Predicted, Schedule, Solver, Staging  # noqa: E402,F401
+
+for _model in (StagePlan, PipelineStage, Pipeline):
+    _model.model_rebuild()

@@ -21,7 +21,6 @@ from hetplan.plan.format import RESOURCES, SCHEMA_VERSION, TIERS, WEIGHTS
 from hetplan.schema.fields import (MAX_NODES_MAX, TIME_LIMIT_MAX_S, Bytes, Count, Dim, Fingerprint, FlopRate,
                                    Fraction, LinkRate, MemRate, Seconds, Strict, TokenRate, count, quantity)
 from hetplan.schema.config import RopeScaling
-from hetplan.schema.pipeline import Pipeline, PipelineLink, PipelinePredicted, PipelineStage, StageTiers
 from hetplan.schema.routing import Routing
 from hetplan.workload import OBJECTIVES
 
@@ -350,6 +349,11 @@ class Inputs(Strict):
     cli_args: CliArgs | None = Field(None, description="the compile request")
 
 
+# after the pieces a stage's own plan is made of (pipeline.stages[].plan)
+from hetplan.schema.pipeline import (Pipeline, PipelineLink, PipelinePredicted, PipelineStage,  # noqa: E402
+                                     StagePlan, StageTiers)
+
+
 class PlanFile(Strict):
     schema_version: Literal[SCHEMA_VERSION] = Field(description="format version")
     digest: Fingerprint | None = Field(None, description="sha256 of the rest (detects edits)")
@@ -394,6 +398,7 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("schedule", Schedule), ("schedule.prefill, schedule.decode", PhaseSchedule), ("schedule.*.tasks[]", Task),
             ("inputs", Inputs), ("inputs.cli_args", CliArgs),
             ("pipeline", Pipeline), ("pipeline.stages[]", PipelineStage), ("pipeline.stages[].weights", StageTiers),
+            ("pipeline.stages[].plan", StagePlan),
             ("pipeline.links[]", PipelineLink), ("pipeline.predicted", PipelinePredicted),
             ("inputs.cli_args.routing", Routing))
 """Where each model sits in a plan, for the README's key table (``a, b``: both places)."""

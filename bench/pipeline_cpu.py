@@ -1,0 +1,122 @@
+"""A pipeline plan run as four gloo processes on this CPU: each stage's measured busy time
+against the plan's predicted stage time.
+
+    python -W ignore bench/pipeline_cpu.py [--work DIR] [--gen 32] [--prompt 128] [--reps 3]
+
+The machine is described to the planner as it will run: a node of four "GPUs" that are this
+CPU, one thread each (every stage process computes with one intra-op thread: the launcher gives
+each of the four ``cores // 4``, at least one), whose peaks are measured here first: the fp32
+GEMM rate of a 1024x1024x1024 matmul and the streaming read bandwidth of a 256 MiB sum, one
+thread, best of 5; efficiencies 1 (the measured rates are achieved rates). Each "GPU" holds
+128 MiB, so the 427 MB model needs all four; host links are slow (1 GB/s) so that streaming
+does not pay. The model is a Llama of hidden 1024, MLP 2816, 16/4 heads, 8 layers, vocab 8192,
+fp32, random weights (``--weights random``: each process makes only its own blocks').
+
+The plan is compiled by ``compile_plan`` (``hetplan compile``) and run by ``run_pipeline``
+(``hetplan exec``): one spawned process per stage, gloo between them, emulated GPUs. Busy time
+is a stage's own compute (its executor's wall time per pass, not the waits for the other
+stages): the timed prefill, and the mean of the decode steps. The run is repeated ``--reps``
+times (fresh processes each), and each figure is the median over the runs (a prefill is one
+pass per run: on a shared machine one sample is noisy). The ratio is measured / predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=1024, intermediate_size=2816,
+              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=8192,
+              max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+              torch_dtype="float32", hidden_act="silu")
+
+
+def measure_peaks() -> dict:
+    """One thread: fp32 GEMM FLOP/s (1024^3, best of 5) and read bandwidth (256 MiB sum, best of 5)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    x = torch.randn(64 * 2**20)
+    flops, bw = 0.0, 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        flops = max(flops, 2 * 1024**3 / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        x.sum()
+        bw = max(bw, x.numel() * 4 / (time.perf_counter() - t0))
+    torch.set_num_threads(threads)
+    return {"flops": flops, "bw": bw}
+
+
+def node_yaml(peaks: dict) -> str:
+    gflops, gbs = peaks["flops"] / 1e9, peaks["bw"] / 1e9
+    gpu = (f"  - {{name: this CPU (1 thread), memory: 128MiB, mem_bandwidth: {gbs:.2f}GB/s, "
+           f"flops: {{fp32: {gflops:.2f}GFLOPS}}}}\n")
+    return (f"name: four-stage-processes\ngpus:\n{gpu * 4}"
+            f"cpu: {{name: this CPU, cores: 1, memory: 8GiB, mem_bandwidth: {gbs:.2f}GB/s, "
+            f"flops: {{fp32: {gflops:.2f}GFLOPS}}}}\n"
+            f"links: {{h2d: 1GB/s, d2h: 1GB/s}}\n"
+            f"peers: [{{between: all, kind: pcie, bandwidth: 1GB/s}}]\n"
+            f"reserve: {{gpu: 1MiB, cpu: 64MiB}}\n"
+            f"efficiency: {{gpu_mem: 1.0, gpu_flops: 1.0, cpu_mem: 1.0, cpu_flops: 1.0, link: 1.0}}\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default=None, help="Where the model config and node.yaml go (default: a temp dir).")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    from hetplan.compiler import CompileRequest, compile_plan
+    from hetplan.runtime.distributed.launch import run_pipeline
+    from hetplan.runtime.session import RunOptions
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="pipeline_cpu_"))
+    (work / "model").mkdir(parents=True, exist_ok=True)
+    (work / "model" / "config.json").write_text(json.dumps(CONFIG))
+    peaks = measure_peaks()
+    (work / "node.yaml").write_text(node_yaml(peaks))
+    print(f"this CPU, one thread: {peaks['flops'] / 1e9:.1f} GFLOP/s fp32 GEMM, {peaks['bw'] / 1e9:.2f} GB/s read")
+    plan, ct = compile_plan(CompileRequest(model=str(work / "model"), hw=str(work / "node.yaml"),
+                                           prompt_len=args.prompt, gen_len=args.gen, weight_dtype="fp32"))
+    if plan.pipeline is None or len(plan.pipeline["stages"]) != 4:
+        raise SystemExit(f"the plan is not a 4-stage pipeline: {plan.pipeline and len(plan.pipeline['stages'])}")
+    print(f"compiled in {ct.wall_s:.1f} s: stages "
+          + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1} ({s['weights']['gpu']}/{s['weights']['stream']}/"
+                      f"{s['weights']['cpu']} blocks gpu/stream/cpu)" for s in plan.pipeline["stages"]))
+    runs, t0 = [], time.perf_counter()
+    for _ in range(args.reps):
+        runs.append(run_pipeline(plan, RunOptions(weights="random", emulate=True), timeout_s=600))
+    print(f"ran 4 processes (gloo, emulated GPUs, {max(1, (os.cpu_count() or 1) // 4)} thread each) {args.reps} "
+          f"times in {time.perf_counter() - t0:.1f} s; prompt {args.prompt}, {args.gen} tokens, batch 1; medians")
+
+    def med(key, i=None):
+        return statistics.median(r.stages[i][key] if i is not None else r.measured[key] for r in runs)
+
+    print("| stage | layers | prefill busy | predicted | ratio | decode busy | predicted | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, s in enumerate(runs[0].stages):
+        a, b = s["layers"]
+        bp, pp, bd, pd = med("busy_prefill_s", i), s["predicted_ttft_s"], med("busy_decode_s", i), s["predicted_tpot_s"]
+        print(f"| {s['rank']} | {a}-{b - 1} | {bp * 1e3:.2f} ms | {pp * 1e3:.2f} ms | {bp / pp:.2f} | "
+              f"{bd * 1e3:.2f} ms | {pd * 1e3:.2f} ms | {bd / pd:.2f} |")
+    p = runs[0].predicted
+    busy_d = sum(med("busy_decode_s", i) for i in range(len(runs[0].stages)))
+    print(f"whole pipeline: TTFT {med('ttft_s') * 1e3:.1f} ms (predicted {p['ttft_s'] * 1e3:.1f}), TPOT "
+          f"{med('tpot_s') * 1e3:.2f} ms (predicted {p['tpot_s'] * 1e3:.2f}); the stages' decode busy time adds up "
+          f"to {busy_d * 1e3:.2f} ms, so {(med('tpot_s') - busy_d) * 1e3:.2f} ms a token is messages and waiting")
+    print("per run, prefill busy / predicted by stage: " + "; ".join(
+        " ".join(f"{s['busy_prefill_s'] / s['predicted_ttft_s']:.2f}" for s in r.stages) for r in runs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Start a pipeline run: one process per stage, here (spawned) or under torchrun (this process
+is one of them), and what each says when it cannot go on.
+
+- Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set): this
+  process runs stage ``RANK``; ``WORLD_SIZE`` must be the plan's number of stages (one process
+  per stage over every node: ``--nnodes N --nproc-per-node`` adding up to it). Rendezvous
+  ``env://``.
+- Otherwise, with several stages: ``torch.multiprocessing`` spawns one process per stage with a
+  rendezvous at ``tcp://127.0.0.1:PORT`` (a free port) and watches them. The last stage hands
+  its result back through a queue. When one process fails, the others stop on their own (their
+  messages to it fail at once when its connections close, or after ``timeout_s``); any still
+  running ``GRACE_S`` seconds later are ended.
+- One stage: it runs in this process, without a process group.
+
+Every process first places its stage, then the stages tell each other whether they are ready
+(``all_gather_object``), so a stage that cannot start (a GPU this machine lacks, not enough
+memory) stops every process at once, each with one line naming the stage. The rendezvous and
+every message wait at most ``timeout_s`` (``--dist-timeout``). Intra-op threads are shared out:
+``cores // stages`` per spawned process.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+
+import torch
+
+from hetplan.errors import HetplanError
+from hetplan.pipeline.record import stage_plan
+from hetplan.plan import Plan
+from hetplan.runtime.distributed.peers import Peers, join, leave
+from hetplan.runtime.distributed.worker import PipelineResult, PreparedStage, stage_device
+from hetplan.runtime.session import RunOptions, choose_mode
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default wait for the rendezvous and for any one message (``--dist-timeout``)."""
+GRACE_S = 10.0
+"""How long the local launcher lets the other processes stop on their own after one failed."""
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun(environ=None) -> bool:
+    environ = os.environ if environ is None else environ
+    return all(v in environ for v in TORCHRUN_VARS)
+
+
+def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 progress=None) -> PipelineResult | None:
+    """Run ``plan``'s pipeline -> its result (None in a torchrun process other than the last
+    stage's)."""
+    world = len(plan.pipeline["stages"])
+    if under_torchrun():
+        rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if size != world or not 0 <= rank < world:
+            raise HetplanError(f"WORLD_SIZE {size}, RANK {rank}: the plan's pipeline has {world} stage(s), one "
+                               f"process each; start {world} processes in all (torchrun --nnodes and "
+                               f"--nproc-per-node adding up to {world})")
+        return run_rank(plan, rank, "env://", opts, timeout_s, progress)
+    if world == 1:
+        mode, gpu = stage_device(plan, 0, opts.emulate)
+        if mode == "cuda":
+            torch.cuda.set_device(gpu)
+        return PreparedStage(plan, 0, opts, mode).run(None, progress)
+    for rank in range(world):  # this machine runs every stage: refuse one it cannot before starting any
+        stage_device(plan, rank, opts.emulate)
+    return _spawn(plan, opts, timeout_s, progress)
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise HetplanError(f"environment variable {name}={os.environ[name]!r}: not an integer (set by torchrun; "
+                           f"start the run with torchrun, or unset the torchrun variables)") from None
+
+
+def message_backend(plan: Plan, emulate: bool | None) -> str:
+    """``nccl`` when every stage runs on a CUDA GPU here, else ``gloo``."""
+    modes = {choose_mode(stage_plan(plan, r), emulate) for r in range(len(plan.pipeline["stages"]))}
+    return "nccl" if modes == {"cuda"} else "gloo"
+
+
+def run_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float,
+             progress=None) -> PipelineResult | None:
+    """Be stage ``rank``: rendezvous, place the stage, agree that every stage is ready, run."""
+    try:
+        return _be_rank(plan, rank, init_method, opts, timeout_s, progress)
+    except HetplanError as e:  # every line a stage process says names the stage
+        if str(e).startswith(f"stage {rank}:"):
+            raise
+        raise HetplanError(f"stage {rank}: {e}") from None
+
+
+def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, progress):
+    world, name = len(plan.pipeline["stages"]), f"stage {rank}"
+    backend = message_backend(plan, opts.emulate)
+    prepared, problem, mode = None, None, None
+    try:   # said to the others once the rendezvous is done, so that every process stops at once
+        mode, gpu = stage_device(plan, rank, opts.emulate)
+        if mode == "cuda":
+            torch.cuda.set_device(gpu)   # before the rendezvous: NCCL's communicators use it
+    except HetplanError as e:
+        problem = str(e)
+    join(rank, world, backend, init_method, timeout_s, name)
+    try:
+        if problem is None:
+            try:
+                prepared = PreparedStage(plan, rank, opts, mode)
+            except HetplanError as e:
+                problem = str(e)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        peers = Peers(rank, world, device, name, timeout_s)
+        ready = peers.all_gather(problem)
+        if problem is not None:
+            raise HetplanError(problem)
+        others = [(r, p) for r, p in enumerate(ready) if p is not None]
+        if others:
+            prepared.close()
+            r, p = others[0]
+            raise HetplanError(f"{name}: not started: stage {r} cannot run ({p.removeprefix(f'stage {r}: ')})")
+        return prepared.run(peers, progress)
+    finally:
+        leave()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(plan: Plan, opts: RunOptions, timeout_s: float, progress) -> PipelineResult:
+    import torch.multiprocessing as mp
+
+    world = len(plan.pipeline["stages"])
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    threads = max(1, (os.cpu_count() or 1) // world)
+    procs = [ctx.Process(target=_child, name=f"hetplan-stage-{r}", daemon=False,
+                         args=(plan, r, init, opts, timeout_s, progress if r == world - 1 else None, threads,
+                               results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    return _watch(procs, results)
+
+
+def _child(plan, rank, init, opts, timeout_s, progress, threads, results) -> None:
+    """A spawned stage process: its errors as one line on stderr, exit 2 (3: a bug, 130: Ctrl-C)."""
+    torch.set_num_threads(threads)
+    try:
+        result = run_rank(plan, rank, init, opts, timeout_s, progress)
+        if result is not None:  # as bytes: tensors put on a queue as such live in shared memory
+            buf = io.BytesIO()   # that goes when this process exits, before the launcher reads them
+            torch.save(result, buf)
+            results.put(buf.getvalue())
+    except HetplanError as e:
+        _say(str(e))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - a bug: one line, and how to get the traceback
+        if os.environ.get("HETPLAN_TRACEBACK"):
+            raise
+        _say(f"stage {rank}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 "
+             f"prints the traceback)")
+        sys.exit(3)
+
+
+def _say(text: str) -> None:
+    line = " ".join(text.split())
+    print(f"hetplan: error: {line}", file=sys.stderr, flush=True)
+
+
+def _watch(procs, results) -> PipelineResult:
+    """Wait for every stage process; the last stage's result, or a HetplanError saying which one
+    failed first (each failed process has said why on its own line)."""
+    result, failed, deadline = None, [], None
+    try:
+        while True:
+            try:
+                result = results.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            codes = [p.exitcode for p in procs]
+            failed += [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in dict(failed)]
+            if failed and deadline is None:
+                deadline = time.monotonic() + GRACE_S
+            if all(c is not None for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join(5)
+        raise
+    for p in procs:
+        p.join()
+    if failed:
+        how = [f"stage {r} " + (f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with status {c}")
+               for r, c in failed]
+        raise HetplanError(f"the pipeline run stopped: {', then '.join(how)}")
+    if result is None:
+        try:
+            result = results.get(timeout=5)
+        except queue.Empty:
+            raise HetplanError("the pipeline run ended without a result from its last stage") from None
+    return torch.load(io.BytesIO(result), weights_only=False)
