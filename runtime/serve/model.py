@@ -6,15 +6,20 @@ A step's *segments* are (request, new token ids, first position). Token-wise sta
 ``mlp``) run once over every segment's tokens laid end to end ([1, N, D]); ``embed``,
 ``attn_in`` (rotary positions) and attention run per segment, attention over the request's own
 blocks gathered from the pool (causal from the segment's first position) on the device of the
-tier they are in: a request decoding from DRAM has its attention computed on the CPU, and its
-output joins the batch's for the token-wise stages (in turn with the GPU's segments, not yet
-overlapped with them). ``head`` returns the
+tier they are in. With a GPU tier, a request decoding from DRAM has its attention computed on
+the CPU lane, a worker thread, concurrently with the GPU lane's attention for the rest of the
+batch: per layer, ``attn_in`` runs for every segment on the block's device, the DRAM segments'
+q, k, v are copied down and handed to the CPU lane, the GPU segments' attention is issued on
+the calling thread, and the two lanes' outputs are merged in segment order for ``attn_out``
+(the CPU lane's copied up). ``head`` returns the
 logits of each segment's last position. A block the plan streams to the GPU computes here where
 its weights live (host memory): serving does not stream weights. Knows nothing about scheduling
 or HTTP.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -53,6 +58,10 @@ class PagedModel:
         # attention layer -> its index in the pool's layer axis
         self.kv_index = {layer: j for j, layer in enumerate(l for _, k, l, _, _ in self.blocks if k == "attn")}
         self.scale = 1.0 if self.backend.q_scale is not None else None
+        self.cpu_lane = (ThreadPoolExecutor(1, thread_name_prefix="hetplan-serve-cpu-attention")
+                         if devices.mode != "cpu" else None)
+        """The worker thread DRAM requests' attention runs on (None without a GPU tier: then every
+        request's cache is in host memory and attention runs on the calling thread)."""
 
     def forward(self, pool, segments: list) -> torch.Tensor:
         """segments: [(rid, ids [n] list, start)] -> fp32 logits [len(segments), V] at each
@@ -68,9 +77,8 @@ class PagedModel:
                 x = torch.cat(parts, dim=1)                    # [1, N, D]
             elif kind == "attn":
                 x = x.to(dev)
-                o = torch.cat([self._attention(pool, name, layer, dev, w, x[:, off:off + n], rid, start)
-                               for (rid, _, start), off, n in zip(segments, offsets, lengths)], dim=1)
-                x = self._run("attn_out", name, layer, dev, w, {"x": x, "o": o.to(dev)}, 0, x.shape[1])["x"]
+                o = self._attention_layer(pool, name, layer, dev, w, x, segments, offsets, lengths)
+                x = self._run("attn_out", name, layer, dev, w, {"x": x, "o": o}, 0, x.shape[1])["x"]
             elif kind == "mlp":
                 x = self._run("mlp", name, layer, dev, w, {"x": x.to(dev)}, 0, x.shape[1])["x"]
             else:
@@ -79,19 +87,50 @@ class PagedModel:
                 logits = self._run("head", name, layer, dev, w, {"x": h}, 0, h.shape[1], all_logits=True)["logits"]
         return logits[0].float().cpu()                         # [S, V]
 
-    def _attention(self, pool, name, layer, dev, w, x, rid, start) -> torch.Tensor:
-        n = x.shape[1]
-        qkv = self._run("attn_in", name, layer, dev, w, {"x": x}, start, n)
+    def _attention_layer(self, pool, name, layer, dev, w, x, segments, offsets, lengths) -> torch.Tensor:
+        """Every segment's attention output of one layer, [1, N, H*hd] on ``dev``: the DRAM
+        segments' on the CPU lane while the others' are issued here (see the module doc)."""
         j = self.kv_index[layer]
-        kv_dev = pool.kv[pool.alloc.table(rid).tier].device  # a request in DRAM attends on the CPU
-        pool.write(rid, j, start, qkv["k"][0].to(kv_dev), qkv["v"][0].to(kv_dev))
-        k, v = pool.gather(rid, j, start + n)                  # [1, T, KVH, hd]
-        q = qkv["q"].to(kv_dev)
-        return attention(q, k.to(q.dtype), v.to(q.dtype), start, scale=self.scale)   # [1, n, H*hd]
+        work = []  # (rid, start, q, k, v) with q, k, v on the device of the request's cache
+        for (rid, _, start), off, n in zip(segments, offsets, lengths):
+            qkv = self._run("attn_in", name, layer, dev, w, {"x": x[:, off:off + n]}, start, n)
+            kv_dev = pool.kv[pool.alloc.table(rid).tier].device
+            work.append((rid, start, qkv["q"].to(kv_dev), qkv["k"][0].to(kv_dev), qkv["v"][0].to(kv_dev)))
+        in_dram = [pool.alloc.table(rid).tier == "cpu" for rid, *_ in work] if self.cpu_lane else [False] * len(work)
+        lane = None
+        if any(in_dram):
+            dram = [item for item, d in zip(work, in_dram) if d]
+            lane = self.cpu_lane.submit(_in_inference_mode, self._attend_all, pool, j, dram)
+        here = iter(self._attend_all(pool, j, [item for item, d in zip(work, in_dram) if not d]))
+        there = iter(lane.result() if lane is not None else ())
+        outs = [next(there).to(dev) if d else next(here) for d in in_dram]
+        return torch.cat(outs, dim=1)                          # [1, N, H*hd]
+
+    def _attend_all(self, pool, j: int, work: list) -> list:
+        """Attention of each (rid, start, q [1, n, H*hd], k, v [n, KVH, hd]) over its cache,
+        after storing its new k, v there: -> [1, n, H*hd] each, on the cache's device."""
+        outs = []
+        for rid, start, q, k_new, v_new in work:
+            n = q.shape[1]
+            pool.write(rid, j, start, k_new, v_new)
+            k, v = pool.gather(rid, j, start + n)              # [1, T, KVH, hd]
+            outs.append(attention(q, k.to(q.dtype), v.to(q.dtype), start, scale=self.scale))
+        return outs
+
+    def close(self) -> None:
+        """Stop the CPU lane's thread."""
+        if self.cpu_lane is not None:
+            self.cpu_lane.shutdown(wait=True)
 
     def _run(self, kind, name, layer, dev, w, inputs, start, n, all_logits=False):
         step = Step("prefill" if n > 1 else "decode", start, n, 1, all_logits=all_logits)
         return self.backend.run(StageCall(kind, name, layer, dev, w, inputs, step))
+
+
+def _in_inference_mode(fn, *args):
+    """``fn(*args)`` under ``torch.inference_mode`` (a mode is per thread: the CPU lane's own)."""
+    with torch.inference_mode():
+        return fn(*args)
 
 
 def _order(p: dict) -> tuple:
