@@ -304,7 +304,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4, help="hetplan --max-batch and llama-server --parallel")
     ap.add_argument("--time-limit", type=float, default=300, help="seconds per rate at most")
     ap.add_argument("--emulate-requests", type=int, default=8, help="requests of the emulated-GPU run (0: none)")
-    ap.add_argument("--gpu-mem", default="940MiB", help="the emulated GPU's budget")
+    ap.add_argument("--gpu-mem", default="1672MiB", help="the emulated GPU's budget")
     ap.add_argument("--skip-load", action="store_true", help="only the emulated-GPU run")
     ap.add_argument("--port", type=int, default=18431)
     args = ap.parse_args()
