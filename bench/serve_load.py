@@ -27,10 +27,11 @@ cancelled and not counted as completed. Loopback only (127.0.0.1); servers run o
 with OMP/torch threads = 2.
 
 The emulated-GPU run (``--emulate-requests``; 0 skips it): the same model planned with
-``--gpu-mem`` set so the KV pool holds about two requests, served with ``--emulate`` (the GPU
-tier is a CPU device with the plan's budget enforced); all requests arrive at once, and the
-server's ``/metrics`` counters say what was sent, completed, preempted (swapped out, recomputed)
-and swapped back in.
+``--gpu-mem`` set so the KV pool holds three full contexts (12 blocks of 16 tokens) while four
+requests run, served with ``--emulate`` (the GPU tier is a CPU device with the plan's budget
+enforced); all requests arrive at once, each generating until its context is full (64 tokens),
+and the server's ``/metrics`` counters say what was sent, completed, preempted (swapped out,
+recomputed) and swapped back in.
 """
 
 from __future__ import annotations
@@ -258,7 +259,9 @@ def emulated_run(args, work: Path, gguf: Path) -> dict:
     proc = start([sys.executable, "-m", "hetplan", "serve", str(plan), "--weights", str(gguf), "--emulate",
                   "--port", str(args.port)], work / "hetplan-emulated.log", url)
     try:
-        res = summarise(asyncio.run(run_load(url, trace(0.0, args.emulate_requests, seed=7), args.time_limit)))
+        # every request fills its context: four running ones need 16 blocks, more than the GPU holds
+        burst = [(0.0, p, CONTEXT - len(p)) for _, p, _ in trace(0.0, args.emulate_requests, seed=7)]
+        res = summarise(asyncio.run(run_load(url, burst, args.time_limit)))
         m = metrics(url)
     finally:
         stop(proc)
