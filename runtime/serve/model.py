@@ -3,8 +3,9 @@
 The weights of each block of the plan are placed in the tier the plan chose (through
 ``Devices``), and the dense backend's stages (``hetplan.runtime.models.dense``) compute on them.
 A step's *segments* are (request, new token ids, first position). Token-wise stages (``attn_out``,
-``mlp``) run once over every segment's tokens laid end to end ([1, N, D]); ``embed``,
-``attn_in`` (rotary positions) and attention run per segment, attention over the request's own
+``mlp``) run once over every segment's tokens laid end to end ([1, N, D]);
+``attn_in`` runs once over every segment's tokens (the rotary tables indexed by each token's own
+position), ``embed`` and attention per segment, attention over the request's own
 blocks gathered from the pool (causal from the segment's first position) on the device of the
 tier they are in. With a GPU tier, a request decoding from DRAM has its attention computed on
 the CPU lane, a worker thread, concurrently with the GPU lane's attention for the rest of the
@@ -20,6 +21,7 @@ or HTTP.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -91,11 +93,14 @@ class PagedModel:
         """Every segment's attention output of one layer, [1, N, H*hd] on ``dev``: the DRAM
         segments' on the CPU lane while the others' are issued here (see the module doc)."""
         j = self.kv_index[layer]
-        work = []  # (rid, start, q, k, v) with q, k, v on the device of the request's cache
+        positions = torch.cat([torch.arange(start, start + n) for (_, _, start), n in zip(segments, lengths)])
+        with self._rotary_at(dev, positions):  # one attn_in over every segment's tokens
+            qkv = self._run("attn_in", name, layer, dev, w, {"x": x}, 0, x.shape[1])
+        work = []  # (rid, start, q [1, n, H, hd], k, v [n, KVH, hd]) on the device of the request's cache
         for (rid, _, start), off, n in zip(segments, offsets, lengths):
-            qkv = self._run("attn_in", name, layer, dev, w, {"x": x[:, off:off + n]}, start, n)
             kv_dev = pool.kv[pool.alloc.table(rid).tier].device
-            work.append((rid, start, qkv["q"].to(kv_dev), qkv["k"][0].to(kv_dev), qkv["v"][0].to(kv_dev)))
+            q, k, v = (qkv[t][:, off:off + n].to(kv_dev) for t in ("q", "k", "v"))
+            work.append((rid, start, q, k[0], v[0]))
         in_dram = [pool.alloc.table(rid).tier == "cpu" for rid, *_ in work] if self.cpu_lane else [False] * len(work)
         lane = None
         if any(in_dram):
@@ -105,6 +110,23 @@ class PagedModel:
         there = iter(lane.result() if lane is not None else ())
         outs = [next(there).to(dev) if d else next(here) for d in in_dram]
         return torch.cat(outs, dim=1)                          # [1, N, H*hd]
+
+    @contextmanager
+    def _rotary_at(self, dev, positions: torch.Tensor):
+        """Within it, the backend's rotary tables on ``dev`` hold the rows of ``positions`` [N]
+        (each token's own position), so that one ``attn_in`` from start 0 over N tokens rotates
+        token i exactly as a call at its own position would."""
+        tables = getattr(self.backend, "_tables", {})
+        if dev not in tables:  # no rotary embedding (learned positions are added in embed)
+            yield
+            return
+        cos, sin = tables[dev]
+        idx = positions.to(cos.device)
+        tables[dev] = (cos.index_select(0, idx), sin.index_select(0, idx))
+        try:
+            yield
+        finally:
+            tables[dev] = (cos, sin)
 
     def _attend_all(self, pool, j: int, work: list) -> list:
         """Attention of each (rid, start, q [1, n, H*hd], k, v [n, KVH, hd]) over its cache,
