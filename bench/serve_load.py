@@ -1,7 +1,7 @@
 """hetplan serve vs llama-server under load on this CPU: throughput and TTFT/TPOT p50/p99 against
 the arrival rate; then an emulated GPU with a small budget, to show the KV pool swapping.
 
-    python bench/serve_load.py [--work DIR] [--rates 0.05,0.1,0.2] [--requests 12] [--slots 4]
+    python bench/serve_load.py [--work DIR] [--rates 0.1,0.2,0.4] [--requests 10] [--slots 4]
 
 The model: Llama architecture, 0.45 B parameters (hidden 1280, 20 layers, MLP 3584, 20 query /
 4 KV heads of 64, vocab 32000, untied head), random weights (std 0.02) saved by transformers in
@@ -21,7 +21,7 @@ lengths uniform on [8, 40] tokens (random ids), output lengths uniform on [8, 24
 process at the rate (exponential gaps, seeded per rate). Every request streams
 (``/v1/completions``, ``stream: true``); TTFT is send to first text chunk, TPOT the request's
 (last chunk - first chunk) / (tokens - 1), throughput the generated tokens of completed requests
-over first send to last completion. p50 and p99 are over requests (with 12 requests p99 is
+over first send to last completion. p50 and p99 are over requests (with 10 requests p99 is
 about the slowest). A rate is bounded by ``--time-limit`` seconds: requests not done by then are
 cancelled and not counted as completed. Loopback only (127.0.0.1); servers run one at a time,
 with OMP/torch threads = 2.
@@ -302,8 +302,8 @@ def main() -> None:
     ap.add_argument("--llama-cpp", default=os.environ.get("HETPLAN_LLAMA_CPP", str(exec_cpu.CACHE / "llama-build")))
     ap.add_argument("--llama-src", default=str(exec_cpu.CACHE / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"))
     ap.add_argument("--convert-python", default=str(exec_cpu.CACHE / "venv" / "bin" / "python"))
-    ap.add_argument("--rates", default="0.05,0.1,0.2", help="arrival rates, requests/s")
-    ap.add_argument("--requests", type=int, default=12, help="requests per rate")
+    ap.add_argument("--rates", default="0.1,0.2,0.4", help="arrival rates, requests/s")
+    ap.add_argument("--requests", type=int, default=10, help="requests per rate")
     ap.add_argument("--slots", type=int, default=4, help="hetplan --max-batch and llama-server --parallel")
     ap.add_argument("--time-limit", type=float, default=300, help="seconds per rate at most")
     ap.add_argument("--emulate-requests", type=int, default=8, help="requests of the emulated-GPU run (0: none)")
