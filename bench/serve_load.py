@@ -13,7 +13,7 @@ that one GGUF file:
 - hetplan: ``hetplan compile model.gguf --hw node.yaml --serve --max-batch SLOTS --max-context C``
   for this machine as an all-CPU node (``exec_cpu.node_yaml``), then ``hetplan serve plan.json
   --weights model.gguf``;
-- llama.cpp: ``llama-server -m model.gguf -t 2 --parallel SLOTS -c SLOTS*C``.
+- llama.cpp: ``llama-server -m model.gguf -t 2 -tb 2 --parallel SLOTS -c SLOTS*(C+16)`` (16 positions of slack per slot).
 
 The workload, the same trace for both servers at each rate: ``--requests`` requests, prompt
 lengths uniform on [8, 40] tokens (random ids), output lengths uniform on [8, 24] tokens
@@ -218,7 +218,7 @@ def load_runs(args, work: Path, gguf: Path, llama: Path) -> dict:
         "hetplan": [sys.executable, "-m", "hetplan", "serve", str(plan), "--weights", str(gguf),
                     "--port", str(args.port)],
         "llama-server": [str(llama / "bin" / "llama-server"), "-m", str(gguf), "-t", str(THREADS), "-tb",
-                         str(THREADS), "--parallel", str(args.slots), "-c", str(args.slots * CONTEXT),
+                         str(THREADS), "--parallel", str(args.slots), "-c", str(args.slots * (CONTEXT + 16)),
                          "--host", "127.0.0.1", "--port", str(args.port)],
     }
     if not (llama / "bin" / "llama-server").is_file():
