@@ -13,7 +13,9 @@ that one GGUF file:
 - hetplan: ``hetplan compile model.gguf --hw node.yaml --serve --max-batch SLOTS --max-context C``
   for this machine as an all-CPU node (``exec_cpu.node_yaml``), then ``hetplan serve plan.json
   --weights model.gguf``;
-- llama.cpp: ``llama-server -m model.gguf -t 2 -tb 2 --parallel SLOTS -c SLOTS*(C+16)`` (16 positions of slack per slot).
+- llama.cpp: ``llama-server -m model.gguf -t 2 -tb 2 --parallel SLOTS -c SLOTS*(C+16)`` (16 positions
+  of slack per slot), plus ``--llama-args`` (``--poll 0``: its threads sleep instead of spinning
+  while they wait for work, which matters on a machine shared with other work).
 
 The workload, the same trace for both servers at each rate: ``--requests`` requests, prompt
 lengths uniform on [8, 40] tokens (random ids), output lengths uniform on [8, 24] tokens
@@ -219,8 +221,9 @@ def load_runs(args, work: Path, gguf: Path, llama: Path) -> dict:
                     "--port", str(args.port)],
         "llama-server": [str(llama / "bin" / "llama-server"), "-m", str(gguf), "-t", str(THREADS), "-tb",
                          str(THREADS), "--parallel", str(args.slots), "-c", str(args.slots * (CONTEXT + 16)),
-                         "--host", "127.0.0.1", "--port", str(args.port)],
+                         "--host", "127.0.0.1", "--port", str(args.port), *args.llama_args.split()],
     }
+    servers = {k: v for k, v in servers.items() if k in args.servers.split(",")}
     if not (llama / "bin" / "llama-server").is_file():
         print(f"llama-server not found under {llama}: its rows are skipped")
         servers.pop("llama-server")
@@ -309,6 +312,8 @@ def main() -> None:
     ap.add_argument("--emulate-requests", type=int, default=8, help="requests of the emulated-GPU run (0: none)")
     ap.add_argument("--gpu-mem", default="1672MiB", help="the emulated GPU's budget")
     ap.add_argument("--skip-load", action="store_true", help="only the emulated-GPU run")
+    ap.add_argument("--servers", default="hetplan,llama-server", help="which servers the load runs drive")
+    ap.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. '--poll 0'")
     ap.add_argument("--port", type=int, default=18431)
     args = ap.parse_args()
     work = Path(args.work)
