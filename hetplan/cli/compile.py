@@ -180,7 +180,7 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
         click.echo(f"  only the first of {len(plan.hardware.gpus)} GPUs is planned ({plan.hardware.gpu.name})")
     if plan.serving is not None:
         sv = plan.serving
-        at = next(p for p in sv["curve"] if p["batch"] == sv["batch"])
+        at = max((p for p in sv["curve"] if p["batch"] <= sv["batch"]), key=lambda p: p["batch"])
         click.echo(f"  serving: running batch <= {sv['batch']}, {at['throughput_tokens_per_s']:.2f} tok/s at "
                    f"{at['arrival_rate_per_s']:.3g} requests/s; KV blocks of {sv['block_tokens']} tokens: "
                    f"{sv['gpu_blocks']} running, {sv['cpu_blocks']} in DRAM; CPU attention "

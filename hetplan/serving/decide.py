@@ -87,6 +87,9 @@ def compile_serving(req: CompileRequest, sreq: ServingRequest):
             req.notes.extend(one.notes)
         plans.append(plan)
         solve_s += took.solve_s
+    if context > plans[0].model.max_positions:
+        raise HetplanError(f"--max-context {context}: model {plans[0].model.name!r} has "
+                           f"{plans[0].model.max_positions} positions; pass at most that")
     slo = (sreq.slo_tpot_s, sreq.slo_ttft_s)
     ok = [p for p in plans if meets(p.predicted["tpot_s"], p.predicted["ttft_s"], *slo)]
     if not ok:

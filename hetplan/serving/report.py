@@ -27,11 +27,12 @@ def serving_section(serving: dict) -> str:
                           f"the GPU's step)" if s["cpu_attention_s"] is not None else " (no GPU)")),
              "", "  predicted against load (the placement above at each running batch):"]
     top = max(p["throughput_tokens_per_s"] for p in s["curve"])
+    chosen_row = max(p["batch"] for p in s["curve"] if p["batch"] <= s["batch"])
     lines.append(f"  {'batch':>5}  {'req/s':>8}  {'tok/s':>9}  {'TTFT':>9}  {'TPOT':>9}  throughput")
     for p in s["curve"]:
         mark = "#" if p["fits"] and p["meets_slo"] else ("-" if p["fits"] else "x")
         bar = mark * max(1, round(BAR_WIDTH * p["throughput_tokens_per_s"] / top)) if top > 0 else ""
-        chosen = "  <- chosen" if p["batch"] == s["batch"] else ""
+        chosen = "  <- chosen" if p["batch"] == chosen_row else ""
         lines.append(f"  {p['batch']:>5}  {p['arrival_rate_per_s']:>8.3g}  {p['throughput_tokens_per_s']:>9.4g}  "
                      f"{format_seconds(p['ttft_s']):>9}  {format_seconds(p['tpot_s']):>9}  {bar}{chosen}")
     lines.append(f"  (# within the SLOs, - beyond them, x: that batch's KV does not fit)")

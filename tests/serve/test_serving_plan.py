@@ -124,7 +124,11 @@ def test_unmeetable_ttft_slo_names_the_fastest_prefill(tiny, tmp_path):
 
 @pytest.mark.parametrize("args, flag", [(["--max-batch", "4"], "--max-batch"), (["--slo-tpot", "5"], "--slo-tpot"),
                                         (["--serve", "--batch", "4"], "--batch"),
-                                        (["--serve", "--slo-ttft", "-1"], "--slo-ttft")])
+                                        (["--serve", "--slo-ttft", "-1"], "--slo-ttft"),
+                                        (["--serve", "--prompt-len", "32", "--gen-len", "16", "--max-context", "4096"],
+                                         "--max-context 4096: model"),
+                                        (["--serve", "--prompt-len", "32", "--gen-len", "16", "--max-context", "40"],
+                                         "--max-context 40: less than")])
 def test_serving_options_out_of_place_are_one_line_errors(tiny, tmp_path, args, flag):
     d, node, _ = tiny
     assert flag in user_error("compile", d, "--hw", node, "-o", tmp_path / "p.json", *args)
