@@ -1,7 +1,8 @@
 """One batched forward over paged KV: every scheduled request's new tokens in one pass.
 
-The weights of each block of the plan are placed in the tier the plan chose (through
-``Devices``), and the dense backend's stages (``hetplan.runtime.models.dense``) compute on them.
+The weights of each block of the plan are placed in the tier the plan chose, as ``hetplan exec``
+places them (``hetplan.runtime.residency``: a quantised plan's blocks packed, dequantised per
+stage), and the dense backend's stages (``hetplan.runtime.models.dense``) compute on them.
 A step's *segments* are (request, new token ids, first position). Token-wise stages (``attn_out``,
 ``mlp``) run once over every segment's tokens laid end to end ([1, N, D]);
 ``attn_in`` runs once over every segment's tokens (the rotary tables indexed by each token's own
@@ -26,8 +27,11 @@ from contextlib import contextmanager
 import torch
 
 from hetplan.errors import HetplanError
+from hetplan.runtime import kv_cache
 from hetplan.runtime.backend import StageCall, Step, backend_for
+from hetplan.runtime.kernels import quant
 from hetplan.runtime.models.dense import DenseBackend, attention
+from hetplan.runtime.residency import Residency
 from hetplan.runtime.weights import TORCH_DTYPES
 
 STAGES = {"embed": ("embed",), "attn": ("attn_in", "attn_core", "attn_out"), "mlp": ("mlp",), "head": ("head",)}
@@ -36,27 +40,28 @@ STAGES = {"embed": ("embed",), "attn": ("attn_in", "attn_core", "attn_out"), "ml
 class PagedModel:
     def __init__(self, plan, source, devices, max_tokens: int):
         spec = plan.model
-        if spec.weight_dtype not in TORCH_DTYPES:
+        quantised = quant.is_quantised(spec.weight_dtype)
+        if not quantised and spec.weight_dtype not in TORCH_DTYPES:
             raise HetplanError(f"plan --weight-dtype {spec.weight_dtype}: hetplan serve runs weights in "
-                               f"{', '.join(TORCH_DTYPES)}; recompile the plan with one of them")
+                               f"{', '.join(TORCH_DTYPES)} or a quantised format; recompile the plan with one of them")
         self.backend = backend_for(spec)
         if not isinstance(self.backend, DenseBackend):
             raise HetplanError(f"model family {spec.arch!r}: hetplan serve runs the dense families "
                                f"(llama, mistral, qwen2, qwen3, opt, gpt2)")
         self.spec, self.devices = spec, devices
-        self.dtype = TORCH_DTYPES[spec.weight_dtype]
+        # quantised weights stay packed and are dequantised per stage into the compute dtype
+        self.dtype = quant.compute_dtype(devices.mode) if quantised else TORCH_DTYPES[spec.weight_dtype]
+        if quantised:
+            self.backend.dtype = self.dtype
         for tier in ("gpu", "cpu") if devices.mode != "cpu" else ("cpu",):
             self.backend.setup(devices.device(tier), max_tokens)
+        # every block's weights in its tier, as ``hetplan exec`` places them; the caches it would
+        # hold are one position each (the paged pool holds the serving caches)
+        residency = Residency(plan, self.backend, source, devices, self.dtype, kv_cache.storage(spec.kv_dtype), 1, 1)
         self.blocks = []   # (name, kind, layer, tier, {local: tensor}) in forward order
         for p in sorted(plan.placement, key=_order):
             tier = "gpu" if p["weights"] == "gpu" and devices.mode != "cpu" else "cpu"
-            specs = self.backend.block_tensors(p["block"], p["kind"], p["layer"])
-            tensors = {}
-            for t in specs:
-                source.check(t, self.dtype, f"block {p['block']}")
-                tensors[t.local] = devices.empty(tier, tuple(t.shape), self.dtype, f"weights of {p['block']}")
-                source.fill(t, tensors[t.local])
-            self.blocks.append((p["block"], p["kind"], p["layer"], tier, tensors))
+            self.blocks.append((p["block"], p["kind"], p["layer"], tier, residency.weights(p["block"], tier, None)))
         # attention layer -> its index in the pool's layer axis
         self.kv_index = {layer: j for j, layer in enumerate(l for _, k, l, _, _ in self.blocks if k == "attn")}
         self.scale = 1.0 if self.backend.q_scale is not None else None
@@ -146,6 +151,8 @@ class PagedModel:
 
     def _run(self, kind, name, layer, dev, w, inputs, start, n, all_logits=False):
         step = Step("prefill" if n > 1 else "decode", start, n, 1, all_logits=all_logits)
+        if hasattr(w, "materialise"):  # a quantised block: dequantised as the stage reads it
+            w = w.materialise()
         return self.backend.run(StageCall(kind, name, layer, dev, w, inputs, step))
 
 

@@ -1,6 +1,6 @@
 """``hetplan serve`` on a GGUF file: an unquantised (F32) llama file serves as a checkpoint does,
 each request's greedy output equal to transformers' on the same file (its own GGUF loading), with
-requests batched and swapped; a quantised file is refused in one line."""
+requests batched and swapped; a quantised one (Q8_0, Q4_0) as ``hetplan exec`` runs it alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 import transformers
 
 from hetplan.compiler import CompileRequest, compile_plan
-from hetplan.errors import HetplanError
 from hetplan.runtime.serve.sampling import SamplingParams
 from tests.gguf.files import write_model
 from tests.serve.fixtures import engine_for
@@ -54,11 +53,24 @@ def test_requests_on_a_gguf_file_match_transformers_batched_and_swapped(gguf):
     assert alloc.free_blocks("gpu") == alloc.n_blocks["gpu"] and not alloc.tables
 
 
-def test_a_quantised_gguf_file_is_refused_in_one_line(gguf, tmp_path):
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_requests_on_a_quantised_gguf_file_match_hetplan_exec_alone(gguf, tmp_path, kind):
+    """Quantised weights stay packed as ``hetplan exec`` holds them (its logits are tested against
+    transformers in tests/gguf): each request's greedy output, batched and swapped, equals exec's
+    for its prompt alone."""
+    from hetplan.runtime.session import RunOptions, run_plan
     _, _, _, node = gguf
     path = tmp_path / "q.gguf"
-    write_model(path, "llama", {k: "Q8_0" for k in QUANTISED}, seed=3)
+    write_model(path, "llama", {k: kind for k in QUANTISED}, seed=3)
     plan = compile_plan(CompileRequest(model=str(path), hw=str(node), strategy="all-gpu", prompt_len=16,
                                        gen_len=16))[0]
-    with pytest.raises(HetplanError, match=r"^plan --weight-dtype q8_0: hetplan serve runs weights in"):
-        engine_for(plan, str(path), gpu_blocks=8, block_tokens=4)
+    assert plan.model.weight_dtype == kind.lower()
+    engine = engine_for(plan, str(path), gpu_blocks=6, cpu_blocks=32, block_tokens=4)
+    prompts = [[5, 9, 17, 3], [40, 2, 8, 8, 1, 30, 7], [11] * 3]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for p in prompts]
+    engine.run_until_idle()
+    assert engine.scheduler.swaps_out + engine.scheduler.recomputes > 0
+    for p, r in zip(prompts, reqs):
+        alone = run_plan(plan, RunOptions(weights=str(path), prompt_ids=(tuple(p),), gen_len=10, emulate=True,
+                                          warmup=False))
+        assert r.generated == alone.tokens[0]
