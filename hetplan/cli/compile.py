@@ -90,12 +90,24 @@ Examples:
               help="Print the plan beside every baseline (all-gpu, greedy, best ngl:N and ngl-nkvo:N, "
                    "stream; for MoE models also cpu-moe, best n-cpu-moe:N and ktransformers) on the same model, machine and "
                    "workload: TTFT, TPOT, memory, fits?, ratio, and the tool version each baseline follows.")
+@click.option("--serve", is_flag=True,
+              help="Plan for `hetplan serve`: compile at running batches 1, 2, 4, ... up to --max-batch, keep the "
+                   "most throughput within the SLOs, size the KV pools and record the throughput/latency curve "
+                   "against load in the plan's 'serving' (replaces --batch and --objective).")
+@click.option("--max-batch", default=None, type=int, metavar="N",
+              help="With --serve: the largest running batch considered (default 64).")
+@click.option("--max-context", default=None, type=int, metavar="TOKENS",
+              help="With --serve: prompt + max_tokens of one request at most (default: --prompt-len + --gen-len).")
+@click.option("--slo-tpot", default=None, type=float, metavar="MS",
+              help="With --serve: predicted time per output token at most, in milliseconds.")
+@click.option("--slo-ttft", default=None, type=float, metavar="MS",
+              help="With --serve: predicted time to first token at most, in milliseconds.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (path, predicted, memory, solver with solve_seconds, compile_seconds and compile_cpu_seconds, notes"
                    "[, compare]) to stdout and nothing else there.")
 def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, prefill_chunk, weight_dtype, kv_dtype,
             gpu_mem, cpu_mem, time_limit_s, max_nodes, mip_gap, stream_cold_experts, routing, dump_lp, compare,
-            as_json):
+            serve, max_batch, max_context, slo_tpot, slo_ttft, as_json):
     """Plan MODEL on a machine and write the plan.
 
     MODEL is a preset name (e.g. llama-3.1-70b), a Hugging Face config.json, a directory holding
@@ -126,7 +138,12 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
             raise HetplanError(f"--dump-lp writes the MILPs of --strategy ilp; --strategy {strategy} solves none: "
                                f"drop --dump-lp or use --strategy ilp")
         writable_target(dump_lp, "--dump-lp")
-    plan, took = compile_plan(req)
+    serving = serving_request(serve, batch, objective, compare, max_batch, max_context, slo_tpot, slo_ttft)
+    if serving is not None:
+        from hetplan.serving import compile_serving
+        plan, took = compile_serving(req, serving)
+    else:
+        plan, took = compile_plan(req)
     for note in req.notes:
         click.echo(f"note: {note}", err=True)
     rows = None
@@ -141,6 +158,8 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                                  compile_cpu_seconds=took.cpu_s), "notes": list(req.notes)}
         if rows is not None:
             doc["compare"] = rows
+        if plan.serving is not None:
+            doc["serving"] = plan.serving
         click.echo(json.dumps(doc, sort_keys=True))
         return
     p, m, s = plan.predicted, plan.memory, plan.solver
@@ -159,7 +178,35 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                    f"({pp['decode_tokens_per_s']:.2f} tok/s; the figures before are GPU 0 alone)")
     elif len(plan.hardware.gpus) > 1:
         click.echo(f"  only the first of {len(plan.hardware.gpus)} GPUs is planned ({plan.hardware.gpu.name})")
+    if plan.serving is not None:
+        sv = plan.serving
+        at = max((p for p in sv["curve"] if p["batch"] <= sv["batch"]), key=lambda p: p["batch"])
+        click.echo(f"  serving: running batch <= {sv['batch']}, {at['throughput_tokens_per_s']:.2f} tok/s at "
+                   f"{at['arrival_rate_per_s']:.3g} requests/s; KV blocks of {sv['block_tokens']} tokens: "
+                   f"{sv['gpu_blocks']} running, {sv['cpu_blocks']} in DRAM; CPU attention "
+                   f"{'on' if sv['cpu_attention'] else 'off'} (`hetplan show` draws the curve)")
     if rows is not None:
         from hetplan.plan.report import compare_table
         click.echo("")
         click.echo(compare_table(rows, plan.workload.objective))
+
+
+def serving_request(serve, batch, objective, compare, max_batch, max_context, slo_tpot_ms, slo_ttft_ms):
+    """The ``--serve`` options as a ServingRequest (None without ``--serve``); the serving options
+    without it, or the options it replaces beside it, are one-line errors."""
+    given = [flag for flag, v in (("--max-batch", max_batch), ("--max-context", max_context),
+                                  ("--slo-tpot", slo_tpot_ms), ("--slo-ttft", slo_ttft_ms)) if v is not None]
+    if not serve:
+        if given:
+            raise HetplanError(f"{given[0]}: only with --serve (a serving plan); add --serve or drop {given[0]}")
+        return None
+    if batch != 1 or objective != "latency":
+        flag = "--batch" if batch != 1 else "--objective"
+        raise HetplanError(f"{flag}: --serve chooses the running batch for throughput within the SLOs; drop "
+                           f"{flag} and give --max-batch (and --slo-tpot / --slo-ttft) instead")
+    if compare:
+        raise HetplanError("--compare: compares one fixed batch; drop it with --serve")
+    from hetplan.serving import ServingRequest
+    ms = {k: None if v is None else v / 1e3 for k, v in (("tpot", slo_tpot_ms), ("ttft", slo_ttft_ms))}
+    return ServingRequest(max_batch=64 if max_batch is None else max_batch, max_context=max_context,
+                          slo_tpot_s=ms["tpot"], slo_ttft_s=ms["ttft"])

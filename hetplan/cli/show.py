@@ -29,10 +29,14 @@ Examples:
 def command(plan_path, timeline, trace):
     """Print a readable summary of PLAN.json: placement per block (identical consecutive layers
     merged), memory per tier against its budget, predicted TTFT/TPOT beside their lower bounds,
-    the bottleneck resource per phase, and the solver's status and gap."""
+    the bottleneck resource per phase, and the solver's status and gap; for a serving plan
+    (``compile --serve``), the engine's sizes and throughput/latency against load."""
     distinct_targets({"--timeline": timeline, "--trace": trace}, {"PLAN": plan_path})
     plan = load_plan(plan_path)
     click.echo(render_show(plan), nl=False)
+    if plan.serving is not None:
+        from hetplan.serving.report import serving_section
+        click.echo("\n" + serving_section(plan.serving), nl=False)
     if timeline:
         with step(f"drawing the timeline {timeline}"):
             write_timeline(plan, timeline)

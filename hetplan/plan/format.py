@@ -130,6 +130,9 @@ class Plan:
     pipeline: dict | None = None
     """On a node with several GPUs: the stages over them (``hetplan.pipeline.PipelinePlan.to_dict``),
     beside the single-GPU plan the rest of the file describes; in plan.json only when set."""
+    serving: dict | None = None
+    """``compile --serve``: the engine's sizes and the curve against load (``hetplan.serving``);
+    in plan.json only when set."""
 
     def decision(self) -> Decision:
         return Decision(weights={p["block"]: p["weights"] for p in self.placement},
@@ -161,6 +164,8 @@ class Plan:
             d["cpu_attention_bytes_per_cache_byte"] = self.cpu_attention_bytes_per_cache_byte
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline
+        if self.serving is not None:
+            d["serving"] = self.serving
         return d
 
     def to_json(self) -> str:
@@ -192,7 +197,7 @@ class Plan:
                        placement=tuple(d["placement"]), staging=d["staging"], memory=d["memory"],
                        predicted=d["predicted"], schedule=sched, inputs=d.get("inputs", {}),
                        cpu_attention_bytes_per_cache_byte=d.get("cpu_attention_bytes_per_cache_byte", 1.0),
-                       pipeline=d.get("pipeline"))
+                       pipeline=d.get("pipeline"), serving=d.get("serving"))
         except HetplanError as e:
             raise HetplanError(f"{source}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:

@@ -21,6 +21,7 @@ from hetplan.plan.format import RESOURCES, SCHEMA_VERSION, TIERS, WEIGHTS
 from hetplan.schema.fields import (MAX_NODES_MAX, TIME_LIMIT_MAX_S, Bytes, Count, Dim, Fingerprint, FlopRate,
                                    Fraction, LinkRate, MemRate, Seconds, Strict, TokenRate, count, quantity)
 from hetplan.schema.config import RopeScaling
+from hetplan.schema.serving import Serving, ServingPoint, ServingSlo
 from hetplan.schema.routing import Routing
 from hetplan.workload import OBJECTIVES
 
@@ -371,6 +372,7 @@ class PlanFile(Strict):
         1.0, description="DRAM bytes a CPU decode attention moves per KV byte read (written when not 1)")
     pipeline: Pipeline | None = Field(None, description="the stages over several GPUs (written for a node "
                                       "with several); the rest of the file is the single-GPU plan of GPU 0")
+    serving: Serving | None = Field(None, description="what `compile --serve` decided for `hetplan serve`")
 
     @model_validator(mode="after")
     def _blocks_agree(self):
@@ -400,5 +402,6 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("pipeline", Pipeline), ("pipeline.stages[]", PipelineStage), ("pipeline.stages[].weights", StageTiers),
             ("pipeline.stages[].plan", StagePlan),
             ("pipeline.links[]", PipelineLink), ("pipeline.predicted", PipelinePredicted),
+            ("serving", Serving), ("serving.slo", ServingSlo), ("serving.curve[]", ServingPoint),
             ("inputs.cli_args.routing", Routing))
 """Where each model sits in a plan, for the README's key table (``a, b``: both places)."""

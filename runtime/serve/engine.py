@@ -160,7 +160,7 @@ class Engine:
         else:
             self.stats.tpot.observe(now - req.last_token_s)
         req.last_token_s = now
-        if self.eos_id is not None and token == self.eos_id:
+        if self.eos_id is not None and token == self.eos_id and not req.params.ignore_eos:
             req.finish_reason = "stop"
         elif req.params.stop and cut_at_stop(self.detokenize(req.generated), req.params.stop)[1]:
             req.finish_reason = "stop"

@@ -50,7 +50,7 @@ class KVPool:
         t = self.alloc.table(rid)
         n = -(-end // self.block_tokens)
         idx = torch.tensor(t.blocks[:n], dtype=torch.int64, device=self.kv[t.tier].device)
-        kv = self.kv[t.tier].index_select(0, idx)[:, layer]    # [n, 2, BT, KVH, hd]
+        kv = self.kv[t.tier][:, layer].index_select(0, idx)    # [n, 2, BT, KVH, hd]: this layer only
         kv = kv.transpose(0, 1).reshape(2, n * self.block_tokens, *kv.shape[-2:])[:, :end]
         return kv[0:1], kv[1:2]
 

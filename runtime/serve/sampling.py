@@ -22,6 +22,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple = ()
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token, to ``max_tokens`` (load tests)."""
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -12,8 +12,10 @@ Every value can be set (``hetplan serve`` flags); what is left unset is derived 
   max_batch (every decode plus one chunk per step);
 - ``cpu_attention``: off (whether it pays is for a serving plan to say).
 
-A serving plan (``compile --serve``) would fill these from its own decisions. Knows nothing
-about tensors.
+A serving plan (``compile --serve``, plan.json's ``serving``) replaces those defaults by its own
+decisions: ``block_tokens``, ``gpu_blocks`` and ``cpu_blocks`` (its pools, rescaled to the
+positions they hold when ``--block-tokens`` differs), ``max_batch``, ``max_context`` and
+``cpu_attention``. Flags still override. Knows nothing about tensors.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def settings_for(plan, **given) -> ServeSettings:
         raise HetplanError(f"plan --kv-dtype {spec.kv_dtype}: hetplan serve keeps KV blocks in "
                            f"{', '.join(KV_ELEMENT_BYTES)}; recompile the plan with one of them")
     given = {k: v for k, v in given.items() if v is not None}
+    if plan.serving is not None:
+        given = {**from_serving(plan.serving, given.get("block_tokens")), **given}
     bt = given.get("block_tokens", ServeSettings.block_tokens)
     kv_bytes = sum(p["kv_bytes"] for p in plan.placement if p.get("kv"))
     gpu = given.get("gpu_blocks", max(1, int(kv_bytes // block_bytes(spec, bt))))
@@ -80,3 +84,13 @@ def settings_for(plan, **given) -> ServeSettings:
         raise HetplanError(f"--max-context {base.max_context}: model {spec.name!r} has {spec.max_positions} "
                            f"positions; pass at most that")
     return replace(base, **{k: v for k, v in given.items() if k in ("max_waiting", "cpu_attention")})
+
+
+def from_serving(serving: dict, block_tokens: int | None) -> dict:
+    """The settings a serving plan decided; its pools in ``block_tokens`` blocks when given (the
+    same positions, rounded down to whole blocks)."""
+    bt = block_tokens or serving["block_tokens"]
+    scale = serving["block_tokens"] / bt
+    return {"block_tokens": bt, "gpu_blocks": max(1, int(serving["gpu_blocks"] * scale)),
+            "cpu_blocks": int(serving["cpu_blocks"] * scale), "max_batch": serving["batch"],
+            "max_context": serving["max_context"], "cpu_attention": serving["cpu_attention"]}

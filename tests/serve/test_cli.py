@@ -106,3 +106,15 @@ def test_the_end_of_sequence_token_ends_a_request_and_is_not_in_its_text(served)
     engine.run_until_idle()
     assert req.generated == ref[:4] and req.finish_reason == "stop"
     assert engine.text(req) == tok.decode(ref[:3])
+
+
+def test_ignore_eos_generates_to_max_tokens_past_the_end_of_sequence_token(served):
+    model, directory, plan, _, tok = served
+    ref = greedy_alone(model, [5, 6, 7], 8)
+    with_eos = copy.deepcopy(tok)
+    with_eos.eos_token = f"t{ref[3]}"
+    base = engine_for(plan, directory, gpu_blocks=32, block_tokens=4)
+    engine = Engine(base.model, base.pool, base.settings, tokenizer=with_eos)
+    req = engine.submit([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.run_until_idle()
+    assert req.generated == ref and req.finish_reason == "length"

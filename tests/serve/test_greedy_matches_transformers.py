@@ -140,3 +140,35 @@ def test_swapped_requests_decoding_with_cpu_attention_match_transformers(tiny, w
     reqs = run_all(engine, workload)
     assert engine.scheduler.swaps_out > 0 and engine.scheduler.cpu_attention_tokens > 0
     assert_all_match(reqs, workload, engine)
+
+
+def test_cpu_attention_runs_on_its_lane_at_the_same_time_as_the_gpu_lane(tiny, workload, monkeypatch):
+    """One request decoding on the GPU and one from DRAM: in every layer the two attentions are
+    in progress together (each waits at a two-party barrier for the other, so lanes run one
+    after the other would time out), the DRAM one on the CPU lane's thread."""
+    import threading
+
+    import torch
+
+    from hetplan.runtime.serve import model as paged
+
+    _, directory, plan = tiny
+    engine = engine_for(plan, directory, gpu_blocks=32, cpu_blocks=32, block_tokens=4, cpu_attention=True)
+    a, b = (engine.submit(p, SamplingParams(max_tokens=4, **GREEDY)) for p, _, _ in workload[:2])
+    while not (a.generated and b.generated):
+        engine.step()
+    engine.pool.move(b.rid, "cpu")
+    barrier, seen, real = threading.Barrier(2, timeout=20), [], paged.attention
+
+    def attention(q, k, v, start, scale):
+        seen.append((threading.current_thread().name, q.device.type))
+        barrier.wait()
+        return real(q, k, v, start, scale=scale)
+
+    monkeypatch.setattr(paged, "attention", attention)
+    segments = [(r.rid, r.context[r.computed:r.computed + 1], r.computed) for r in (a, b)]
+    with torch.inference_mode():
+        logits = engine.model.forward(engine.pool, segments)
+    assert logits.shape[0] == 2
+    lanes = [name.startswith("hetplan-serve-cpu-attention") for name, _ in seen]
+    assert len(seen) == 2 * plan.model.n_layers and sum(lanes) == plan.model.n_layers

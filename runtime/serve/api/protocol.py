@@ -3,8 +3,9 @@
 ``/v1/completions`` takes ``prompt`` as text (needs a tokenizer) or as a list of token ids;
 ``/v1/chat/completions`` takes ``messages`` (rendered with the tokenizer's chat template).
 Both take ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (a string or a list),
-``stream``, ``n`` (1 only), ``user`` (ignored), and ``priority`` (``interactive``, the
-default, or ``batch``; not part of OpenAI's API). Any other field is refused (400) by name,
+``stream``, ``n`` (1 only), ``user`` (ignored), ``priority`` (``interactive``, the
+default, or ``batch``) and ``ignore_eos`` (generate to ``max_tokens`` past the end-of-sequence
+token, as vLLM and llama-server take it); the last two are not part of OpenAI's API. Any other field is refused (400) by name,
 as is a value of the wrong type. Knows nothing about the engine.
 """
 
@@ -42,11 +43,12 @@ class _Common(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=1)
     user: str | None = None
     priority: str = Field(default="interactive", pattern="^(interactive|batch)$")
+    ignore_eos: StrictBool = False
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=stop)
+                              top_p=self.top_p, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_Common):
