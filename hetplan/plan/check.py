@@ -159,6 +159,17 @@ def _summary(plan: Plan) -> str:
             f"{plan.solver['strategy']} {plan.solver['status']}")
 
 
+def _recompile(old: Plan, req):
+    """``old`` compiled again from its inputs: a serving plan with the serving options it
+    records (``serving.max_batch``, ``max_context``, ``slo``), any other plan as compile did."""
+    if old.serving is None:
+        return compile_plan(req)
+    from hetplan.serving import ServingRequest, compile_serving
+    sv = old.serving
+    return compile_serving(req, ServingRequest(max_batch=sv["max_batch"], max_context=sv["max_context"],
+                                               slo_tpot_s=sv["slo"]["tpot_s"], slo_ttft_s=sv["slo"]["ttft_s"]))
+
+
 def check_plan(path, tolerance: float = 0.01, allow_placement_change: bool = False,
                update: bool = False) -> CheckResult:
     """Recompile the plan at ``path`` and compare; with ``update``, rewrite it (atomically)
@@ -172,7 +183,7 @@ def check_plan(path, tolerance: float = 0.01, allow_placement_change: bool = Fal
     recorded = path.read_text()
     req = request_of(old, str(path))
     try:
-        new, _ = compile_plan(req)
+        new, _ = _recompile(old, req)
     except HetplanError as e:  # memory over budget (InfeasibleError) or inputs that no longer load
         return CheckResult(str(path), (f"no longer compiles: {e}",), (), "")
     # the plan keeps its inputs as recorded (relative paths stay relative)

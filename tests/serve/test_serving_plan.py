@@ -208,3 +208,18 @@ def test_serve_settings_come_from_the_serving_plan_and_flags_override_them(tiny)
         s["block_tokens"], s["gpu_blocks"], s["cpu_blocks"], s["batch"], s["max_context"], s["cpu_attention"])
     over = settings_for(plan, block_tokens=8, max_batch=2)
     assert (over.block_tokens, over.gpu_blocks, over.max_batch) == (8, s["gpu_blocks"] * 2, 2)
+
+
+def test_check_recompiles_a_serving_plan_with_its_serving_options(tiny, tmp_path):
+    d, node, _ = tiny
+    out = tmp_path / "plan.json"
+    r = hetplan("compile", d, "--hw", node, "--weight-dtype", "fp32", "--prompt-len", P, "--gen-len", G,
+                "--serve", "--max-batch", "4", "--max-context", "48", "-o", out)
+    assert r.returncode == 0, r.stderr
+    r = hetplan("check", out)
+    assert r.returncode == 0, r.stderr
+    assert "identical" in r.stdout
+    doc = json.loads(out.read_text())
+    doc["serving"]["gpu_blocks"] += 1  # a serving part the inputs no longer give
+    out.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    assert "identical" not in hetplan("check", out).stdout
