@@ -22,7 +22,8 @@ A pair whose expert is not in the subset multiplies a valid slot's result by 0. 
 depends on the routing and nothing is read back to the host. The gather moves T k experts'
 weights (read, written, read again by the ``bmm``: ``hetplan.experts.GATHER_PASSES``), the
 masked path (``layer.masked_experts_forward``) reads all n; ``sync_free_experts_forward`` picks
-by ``hetplan.experts.gathers``, the rule the cost model prices.
+by ``hetplan.experts.gathers``, the rule the cost model prices. (torch's ``grouped_mm`` over
+device-side offsets would read each hit expert once; it is not used here.)
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ DENSE = (torch.float32, torch.bfloat16, torch.float16)
 class ExpertStack:
     """The experts of one subset as one tensor per weight."""
     ids: tuple
-    """Expert ids, ascending: stack index i holds expert ids[i]."""
+    """The subset's expert ids, ascending."""
     gate_up: torch.Tensor
-    """[n, 2I, D]"""
+    """[m, 2I, D], m >= len(ids): expert e's at index slot[e]."""
     down: torch.Tensor
-    """[n, D, I]"""
+    """[m, D, I]"""
     slot: torch.Tensor
     """int64 [E] on the stack's device: expert id -> stack index, -1 where not in ``ids``."""
 
