@@ -17,7 +17,8 @@ fractions sum to top-k, so a token picks k experts on average). Per expert, c_j 
 same size, so each side's time is a function of (K, N) only (W = one expert's weight bytes
 read, P = FLOPs of one pair = 2 P_e, R = one pair's row bytes = D a, I = 8 index bytes):
 
-    H(K, N) = roofline_gpu(F_sh + P N,  B_sh + W K + 2 R N)
+    H(K, N) = roofline_gpu(F_sh + P N,  B_sh + W K + 2 R N)   (W K -> 3 T k W when the GPU side
+                                                            gathers: ``hetplan.experts.gathers``)
     C(K, N) = l_d2h + N (R + I) / bw_d2h  +  roofline_cpu(P N, W K + 2 R N)  +  l_h2d + N R / bw_h2d
     merge   = l_gpu + (2 T D a + R N_c) / bw_gpu                (linear: its expectation is exact)
 
@@ -135,7 +136,7 @@ class SplitTable:
         kh = np.arange(n + 1, dtype=float)
         per_h, s_h = self.side(0, n)
         nh = per_h * kh
-        h_vals = _roofline(g, x.shared_flops + pf * nh, x.shared_bytes + w * kh + 2 * r * nh)
+        h_vals = _roofline(g, x.shared_flops + pf * nh, x.shared_bytes + x.hot_read_bytes(n, kh) + 2 * r * nh)
         e_hot = float(np.dot(self.prefix[n], h_vals))
         if n == e:
             return e_hot, 0.0, 0.0, self.route + e_hot, self.lip_h * s_h

@@ -32,6 +32,17 @@ copies    = d2h of sum_cold (rows_j + 8 T f_j)  (rows, token index and gate),
             h2d of sum_cold rows_j
 merge     = roofline(0, 2 T D a + sum_cold rows_j) on the GPU
 
+The GPU side runs its n hot experts one of two sync-free ways (``runtime/models/moe/``):
+*gathered* when its experts are dense (16/32-bit; packed ones are always masked) and
+``gathers(T, k, n)``, i.e. GATHER_PASSES T k < n (a decode step over many hot
+experts), every one of the T k (token, choice) pairs gathers its expert's weights (the pairs
+of cold experts a clamped hot one, weighted 0) and multiplies them batched; otherwise *masked*,
+each hot expert on all T tokens. The gather reads the T k chosen experts from the stack, writes
+them and the batched product reads them again, so in the gathered regime the hot side's weight
+bytes are the same whichever experts are hit:
+
+    gathered weight bytes = GATHER_PASSES T k W_e      (in place of sum_hot wbytes_j)
+
 Times are expectations over which experts the tokens hit (``hetplan.expected_split``): the GPU
 and CPU parts are E[roofline] and the block costs E[route + max(GPU part, CPU part + copies) +
 merge], which exceeds the makespan of the expected work when a side runs whole experts or
@@ -47,13 +58,21 @@ from functools import cached_property
 from itertools import accumulate
 
 from hetplan import cost
-from hetplan.dtypes import compute_dtype
+from hetplan.dtypes import QUANTISED, compute_dtype
 from hetplan.expected_split import SplitExpectation, SplitTable, split_table
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 
 INDEX_BYTES = 8
 """Per (token, cold expert) pair sent down besides its row: the token index and the gate (4 + 4)."""
+GATHER_PASSES = 3
+"""Times a gathered expert's weights cross HBM: read from the stack, written gathered, read by the GEMM."""
+
+
+def gathers(tokens: int, k: int, n: int) -> bool:
+    """The GPU side gathers the chosen experts' weights (rather than running each of its ``n``
+    experts on every token) when that moves fewer weight bytes: GATHER_PASSES * T * k < n."""
+    return GATHER_PASSES * tokens * k < n
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,10 @@ class ExpertLayer:
     dense_bytes: float
     """Bytes of the block's other weights: norm, router, shared experts."""
     tokens: int
+    top_k: int
+    """Experts each token chooses (k)."""
+    dense_experts: bool
+    """The experts are held as 16/32-bit tensors (not packed), so the GPU side may gather them."""
     flops: tuple
     """Per ranked expert: its FLOPs in this phase."""
     wbytes: tuple
@@ -124,9 +147,24 @@ class ExpertLayer:
     def route_work(self) -> tuple[float, float]:
         return self.route_flops, self.route_bytes
 
+    def gathered(self, n: int) -> bool:
+        """The GPU side gathers its n hot experts (``gathers``; packed experts never do)."""
+        return self.dense_experts and gathers(self.tokens, self.top_k, n)
+
+    @property
+    def gather_bytes(self) -> float:
+        """GATHER_PASSES T k W_e: the weight bytes the gathered GPU side moves."""
+        return GATHER_PASSES * self.tokens * self.top_k * self.expert_read_bytes
+
+    def hot_read_bytes(self, n: int, hits):
+        """Weight bytes the GPU side reads for its n hot experts when ``hits`` of them are hit
+        (a number or an array): ``gather_bytes`` where ``gathers``, else hits W_e."""
+        return self.gather_bytes if self.gathered(n) else hits * self.expert_read_bytes
+
     def hot_work(self, n: int) -> tuple[float, float]:
+        weights = self.gather_bytes if self.gathered(n) else self._hot_sum("wbytes", n)
         return (self.shared_flops + self._hot_sum("flops", n),
-                self.shared_bytes + self._hot_sum("wbytes", n) + 2 * self._hot_sum("rows", n))
+                self.shared_bytes + weights + 2 * self._hot_sum("rows", n))
 
     def cold_work(self, n: int) -> tuple[float, float]:
         return self._cold_sum("flops", n), self._cold_sum("wbytes", n) + 2 * self._cold_sum("rows", n)
@@ -213,7 +251,8 @@ def expert_layer(spec: ModelSpec, hw: HardwareSpec, tokens: int, fractions: tupl
     return ExpertLayer(
         ranked=ranked, fraction=f, expert_bytes=spec.expert_bytes(),
         dense_bytes=spec.block_weight_bytes("moe", spec.first_dense_layers) - spec.n_experts * spec.expert_bytes(),
-        tokens=tokens,
+        tokens=tokens, top_k=spec.experts_per_token,
+        dense_experts=spec.weight_dtype not in QUANTISED and "expert" not in spec.block_bytes,
         flops=tuple(2.0 * tokens * x * p_e for x in f),
         wbytes=tuple((1.0 - (1.0 - min(x, 1.0)) ** tokens) * w_e for x in f),
         rows=tuple(tokens * x * d * a for x in f),

@@ -46,6 +46,7 @@ from hetplan.runtime.models.dense import _READS, _WRITES, DenseBackend, _rms_nor
 from hetplan.runtime.models.mla import (LATENT_NORM_EPS, MlaWeights, absorb_query, expand_output, latent_attention,
                                  mla_rope, softmax_scale)
 from hetplan.runtime.models.moe.layer import Router, experts_forward, route, swiglu
+from hetplan.runtime.models.moe.stacked import ExpertStack, stack_key, sync_free_experts_forward, weights_stack
 from hetplan.runtime.models.moe.weights import BlockExperts, block_expert
 
 _MLA_READS = {"attn_in": ("x",), "attn_core": ("q_lat", "q_rope", "latent", "k_rope"),
@@ -77,6 +78,7 @@ class MoeBackend(DenseBackend):
         """A ``RoutingRecorder`` counting the experts each ``moe``/``moe_route`` stage chooses, or None."""
         self._record_lock = threading.Lock()
         self._hot = {}                # (block, device, hot ids) -> moe_split.HotSet of a split block's GPU part
+        self._stacks = {}             # (block, device, ids, address) -> stacked.ExpertStack or None
         self._down = tuple(f"experts.{e}.down" for e in range(spec.n_experts))
 
     # -- the backend interface ---------------------------------------------------------------
@@ -125,10 +127,11 @@ class MoeBackend(DenseBackend):
         h = _rms_norm(x, w["norm"], s.norm_eps).reshape(-1, s.hidden)     # [T, D], T = B * S
         ids, weights = route(h, Router(w["router"], w.get("router_bias")), s)  # [T, k] each
         self._record(c.layer, ids)
-        experts = BlockExperts(w, range(s.n_experts))
-        # on a GPU without a host sync; on the CPU only the experts the tokens chose run
-        y = experts_forward(h, ids, weights, experts, range(s.n_experts), s.act,
-                            sync_free=c.device.type != "cpu")
+        experts, every = BlockExperts(w, range(s.n_experts)), tuple(range(s.n_experts))
+        if c.device.type == "cpu":  # only the experts the tokens chose run
+            y = experts_forward(h, ids, weights, experts, every, s.act)
+        else:                       # on a GPU without a host sync
+            y = sync_free_experts_forward(h, ids, weights, experts, every, s.act, self.stack(c, every))
         if s.n_shared_experts:
             y += swiglu(h, block_expert(w, "shared"), s.act)
         return {"x": y.view_as(x).add_(x)}
@@ -139,13 +142,24 @@ class MoeBackend(DenseBackend):
         return out
 
     def _moe_experts(self, c: StageCall) -> dict:
-        return moe_split.experts_stage(c, self.spec, self._hot_set(c))
+        hot = self._hot_set(c)
+        return moe_split.experts_stage(c, self.spec, hot, self.stack(c, hot.ids))
 
     def _moe_cold(self, c: StageCall) -> dict:
         return moe_split.cold_stage(c, self.spec)
 
     def _moe_merge(self, c: StageCall) -> dict:
         return moe_split.merge_stage(c)
+
+    def stack(self, c: StageCall, ids: tuple) -> ExpertStack | None:
+        """The stage's experts ``ids`` as one stack (``stacked.weights_stack``), made once per
+        block, device, ids and memory they lie in."""
+        key = (c.block, c.device, ids, stack_key(c.weights, ids))
+        if key[-1] is None:
+            return None
+        if key not in self._stacks:
+            self._stacks[key] = weights_stack(c.weights, ids, self.spec.n_experts)
+        return self._stacks[key]
 
     def _hot_set(self, c: StageCall) -> moe_split.HotSet:
         """The experts the stage's weights hold: the block's GPU part, with its cold experts in a

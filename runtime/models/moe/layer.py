@@ -228,8 +228,9 @@ def masked_experts_forward(hidden: torch.Tensor, ids: torch.Tensor, weights: tor
     Each expert is used once, in the same order as the counting path, and a token that did not
     choose it adds an exact 0, so the sums agree with it up to the GEMMs' row blocking. The cost
     is every expert of ``subset`` on all T tokens: T * |subset| expert rows instead of the T * k
-    the tokens chose (a decode step of batch B reads every hot expert's weights; what a grouped
-    GEMM over device-side offsets would avoid)."""
+    the tokens chose, and every expert's weights read. A decode step over many experts gathers the
+    chosen ones instead (``stacked.sync_free_experts_forward``); packed (quantised) experts, and
+    experts not laid out as one stack, always run here."""
     out = torch.zeros_like(hidden)                                            # [T, D]
     for e in sorted(subset):
         gate = (weights * (ids == e)).sum(dim=-1)                             # [T]

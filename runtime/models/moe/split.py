@@ -25,8 +25,9 @@ equals the unsplit one's up to the order of the sums.
 
 Host syncs: none in the GPU stages. ``moe_route`` and ``moe_merge`` have fixed shapes (N rows
 cross instead of P, equal when every cold pair of a token is cold, at most T * min(k, C));
-``moe_experts`` runs each hot expert on every token masked by its gate
-(``layer.masked_experts_forward``), whatever the device (it is a GPU stage in every plan).
+``moe_experts`` runs sync-free whatever the device (it is a GPU stage in every plan): gathering
+the chosen hot experts' weights from their stack in a decode step over many hot experts, else
+each hot expert on every token masked by its gate (``stacked.sync_free_experts_forward``).
 ``moe_cold`` reads its counts on the CPU, where the copy has already landed.
 Knows nothing about plans, queues or tiers.
 """
@@ -41,7 +42,8 @@ import torch
 from hetplan.model import ModelSpec
 from hetplan.runtime.backend import StageCall
 from hetplan.runtime.models.dense import _rms_norm
-from hetplan.runtime.models.moe.layer import Router, masked_experts_forward, route, swiglu
+from hetplan.runtime.models.moe.layer import Router, route, swiglu
+from hetplan.runtime.models.moe.stacked import ExpertStack, sync_free_experts_forward
 from hetplan.runtime.models.moe.weights import BlockExperts, block_expert
 
 READS = {"moe_route": ("x",), "moe_experts": ("x", "h", "ids", "gates"),
@@ -87,11 +89,11 @@ def route_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
             "cold_ids": cold_ids, "cold_gates": cold_gates}
 
 
-def experts_stage(c: StageCall, spec: ModelSpec, hot: HotSet) -> dict:
+def experts_stage(c: StageCall, spec: ModelSpec, hot: HotSet, stack: ExpertStack | None = None) -> dict:
     w, x, h = c.weights, c.inputs["x"], c.inputs["h"]
     if hot.ids:
-        y = masked_experts_forward(h, c.inputs["ids"], c.inputs["gates"], BlockExperts(w, hot.ids), hot.ids,
-                                   spec.act)                                  # no host sync
+        y = sync_free_experts_forward(h, c.inputs["ids"], c.inputs["gates"], BlockExperts(w, hot.ids), hot.ids,
+                                      spec.act, stack)                        # no host sync
     else:
         y = torch.zeros_like(h)                                               # [T, D]
     if spec.n_shared_experts:
