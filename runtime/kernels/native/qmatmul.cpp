@@ -31,7 +31,7 @@
 
 namespace {
 
-enum Fmt { Q8_0 = 0, Q4_0 = 1, INT8 = 2, INT4 = 3, Q4_K_M = 4, BF16 = 5, FP16 = 6 };
+enum Fmt { Q8_0 = 0, Q4_0 = 1, INT8 = 2, INT4 = 3, Q4_K_M = 4, BF16 = 5, FP16 = 6, FP32 = 7 };
 
 struct Rows {
   int fmt;
@@ -124,11 +124,16 @@ inline void block(const Rows& r, int64_t n, int64_t b, float* __restrict out) {
       for (int t = 0; t < 32; ++t) out[t] = t < valid ? static_cast<float>(w[t]) : 0.f;
       break;
     }
+    case FP32: {
+      const float* w = reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]) + k0;
+      for (int t = 0; t < 32; ++t) out[t] = t < valid ? w[t] : 0.f;
+      break;
+    }
   }
 }
 
 Rows rows_of(int64_t fmt, int64_t K, const std::vector<torch::Tensor>& parts) {
-  TORCH_CHECK(fmt >= Q8_0 && fmt <= FP16, "qmatmul: unknown format id ", fmt);
+  TORCH_CHECK(fmt >= Q8_0 && fmt <= FP32, "qmatmul: unknown format id ", fmt);
   TORCH_CHECK(!parts.empty() && parts.size() <= 4, "qmatmul: 1 to 4 packed arrays");
   Rows r{static_cast<int>(fmt), K, {nullptr, nullptr, nullptr, nullptr}, {0, 0, 0, 0}};
   const int64_t N = parts[0].size(0);
@@ -195,6 +200,10 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
     const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
     w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
     w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))), 16));
+  } else if (FMT == FP32) {
+    const float* w = reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]) + k0;
+    w0 = _mm512_loadu_ps(w);
+    w1 = _mm512_loadu_ps(w + 16);
   } else {
     const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
     w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
@@ -204,6 +213,7 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
 #endif
 
 #include "qint8.h"
+#include "qdecode.h"
 
 // Rows [n0, n1) of y for M rows of x (padded to Kp): FMT and M known at compile time, so the
 // block's 32 weights and the M accumulators stay in vector registers (AVX-512 intrinsics where
@@ -302,7 +312,8 @@ void direct(const Rows& r, const float* x, int64_t M, int64_t N, int64_t Kp, flo
     case INT4: return direct_fmt<INT4>(r, x, M, N, Kp, y, ldy);
     case Q4_K_M: return direct_fmt<Q4_K_M>(r, x, M, N, Kp, y, ldy);
     case BF16: return direct_fmt<BF16>(r, x, M, N, Kp, y, ldy);
-    default: return direct_fmt<FP16>(r, x, M, N, Kp, y, ldy);
+    case FP16: return direct_fmt<FP16>(r, x, M, N, Kp, y, ldy);
+    default: return direct_fmt<FP32>(r, x, M, N, Kp, y, ldy);
   }
 }
 
@@ -323,7 +334,8 @@ void dequantise(int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, int64_
       case INT4: return dequantise_rows<INT4>(r, n0, a, e, o);
       case Q4_K_M: return dequantise_rows<Q4_K_M>(r, n0, a, e, o);
       case BF16: return dequantise_rows<BF16>(r, n0, a, e, o);
-      default: return dequantise_rows<FP16>(r, n0, a, e, o);
+      case FP16: return dequantise_rows<FP16>(r, n0, a, e, o);
+      default: return dequantise_rows<FP32>(r, n0, a, e, o);
     }
   });
 }
@@ -347,6 +359,13 @@ torch::Tensor matmul(torch::Tensor x, int64_t fmt, int64_t K, std::vector<torch:
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (M <= SMALL_M) {
+#ifdef HETPLAN_VNNI
+    if (int8 && fmt <= Q4_K_M) {
+      torch::Tensor xc = x.contiguous();
+      vnni_decode(r, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+      return y;
+    }
+#endif
     torch::Tensor xp = x.contiguous();
     if (Kp != K) xp = torch::constant_pad_nd(xp, {0, Kp - K});
     direct(r, xp.data_ptr<float>(), M, N, Kp, y.data_ptr<float>(), N);
