@@ -104,14 +104,10 @@ def linear_t(x: torch.Tensor, w) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype, reading ``w``'s packed bytes."""
     mod = native.module() if w.device.type == "cpu" else None
-    int8 = mod is not None and (int8_decode() if x.shape[0] <= SMALL_M else int8_prefill())
-    xf = x.float().contiguous()
-    outs = []
-    for seg in w.segments:
-        if mod is not None:
-            outs.append(mod.matmul(xf, FORMAT_IDS[w.fmt], w.cols, list(seg), int8).to(x.dtype))
-        else:
-            outs.append(_tiled(x, w.fmt, w.cols, seg))
+    if mod is not None:   # one call for all segments: x read (and quantised) once
+        int8 = int8_decode() if x.shape[0] <= SMALL_M else int8_prefill()
+        return mod.matmul_cat(x.float(), FORMAT_IDS[w.fmt], w.cols, w.segments, int8).to(x.dtype)
+    outs = [_tiled(x, w.fmt, w.cols, seg) for seg in w.segments]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 

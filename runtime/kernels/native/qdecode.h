@@ -168,30 +168,35 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
 }
 
 template <int FMT>
-void vnni_fmt(const Rows& r, const float* x, int64_t M, int64_t N, float* y, int64_t ldy) {
-  const XD q = quantise_xd<FMT>(x, M, r.K);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: return vnni_rows<FMT, 1>(r, q, y, ldy, n0, n1);
-      case 2: return vnni_rows<FMT, 2>(r, q, y, ldy, n0, n1);
-      case 3: return vnni_rows<FMT, 3>(r, q, y, ldy, n0, n1);
-      case 4: return vnni_rows<FMT, 4>(r, q, y, ldy, n0, n1);
-      case 5: return vnni_rows<FMT, 5>(r, q, y, ldy, n0, n1);
-      case 6: return vnni_rows<FMT, 6>(r, q, y, ldy, n0, n1);
-      case 7: return vnni_rows<FMT, 7>(r, q, y, ldy, n0, n1);
-      default: return vnni_rows<FMT, 8>(r, q, y, ldy, n0, n1);
-    }
+void vnni_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
+  const XD q = quantise_xd<FMT>(x, M, segs[0].r.K);
+  at::parallel_for(0, N, 16, [&](int64_t a, int64_t e) {
+    over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
+      const Rows& r = g.r;
+      float* yg = y + g.off;
+      switch (M) {
+        case 1: return vnni_rows<FMT, 1>(r, q, yg, N, n0, n1);
+        case 2: return vnni_rows<FMT, 2>(r, q, yg, N, n0, n1);
+        case 3: return vnni_rows<FMT, 3>(r, q, yg, N, n0, n1);
+        case 4: return vnni_rows<FMT, 4>(r, q, yg, N, n0, n1);
+        case 5: return vnni_rows<FMT, 5>(r, q, yg, N, n0, n1);
+        case 6: return vnni_rows<FMT, 6>(r, q, yg, N, n0, n1);
+        case 7: return vnni_rows<FMT, 7>(r, q, yg, N, n0, n1);
+        default: return vnni_rows<FMT, 8>(r, q, yg, N, n0, n1);
+      }
+    });
   });
 }
 
-// y [M, N] = x [M, K] @ W^T for M <= SMALL_M, x quantised per block (see above); x contiguous fp32.
-inline void vnni_decode(const Rows& r, const float* x, int64_t M, int64_t N, float* y) {
-  switch (r.fmt) {
-    case Q8_0: return vnni_fmt<Q8_0>(r, x, M, N, y, N);
-    case Q4_0: return vnni_fmt<Q4_0>(r, x, M, N, y, N);
-    case INT8: return vnni_fmt<INT8>(r, x, M, N, y, N);
-    case INT4: return vnni_fmt<INT4>(r, x, M, N, y, N);
-    default: return vnni_fmt<Q4_K_M>(r, x, M, N, y, N);
+// y [M, N] = x [M, K] @ W^T for M <= SMALL_M over the segments' rows, x quantised once per
+// block (see above); x contiguous fp32.
+inline void vnni_decode(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
+  switch (segs[0].r.fmt) {
+    case Q8_0: return vnni_fmt<Q8_0>(segs, x, M, N, y);
+    case Q4_0: return vnni_fmt<Q4_0>(segs, x, M, N, y);
+    case INT8: return vnni_fmt<INT8>(segs, x, M, N, y);
+    case INT4: return vnni_fmt<INT4>(segs, x, M, N, y);
+    default: return vnni_fmt<Q4_K_M>(segs, x, M, N, y);
   }
 }
 #endif
