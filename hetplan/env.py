@@ -17,6 +17,7 @@ SWITCHES = {
     "HETPLAN_NATIVE_KERNELS": "use the native quantised kernels (default 1)",
     "HETPLAN_CPU_16BIT": "compute 16-bit weights on the CPU without upcasting (default 1)",
     "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel (default 0: not yet faster than the fp32 tiles)",
+    "HETPLAN_INT8_DECODE": "multiply decode activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI is)",
 }
 PATHS = {"HETPLAN_CACHE": "the folder native kernels are built into (default ~/.cache/hetplan)"}
 

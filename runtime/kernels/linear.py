@@ -5,9 +5,12 @@ either a tensor or a ``PackedLinear``, the packed rows of one linear (or of seve
 ``qkv``/``gate_up``, concatenated along the output dim) as ``quant.split`` views them. Where
 it runs:
 
-- a packed weight on the CPU: the native kernel (``native``), which reads the packed bytes:
-  for up to 8 rows of x each block of 32 weights is dequantised in registers and multiplied
-  at once (decode reads each weight byte once per step); for more rows (prefill), with
+- a packed weight on the CPU: the native kernel (``native``), which reads the packed bytes.
+  For up to 8 rows of x (decode), on a CPU with AVX-512 VNNI (``HETPLAN_INT8_DECODE=0`` turns
+  it off), x is quantised per block of 32 as q8_0 is and each block's dot product taken in int8
+  (``qdecode.h``; the same activation-rounding bound as int8 prefill, below); otherwise each
+  block of 32 weights is dequantised in registers and multiplied in fp32 (exact against the
+  dequantised weights). Either reads each weight byte once per step. For more rows (prefill), with
   ``HETPLAN_INT8_PREFILL=1`` on a CPU with AVX-512 VNNI, x is quantised per block of 32 as q8_0 is and each block multiplied in
   int8 (quantising x moves an output by at most sum over blocks b of
   (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation), and otherwise (the default)
@@ -18,6 +21,8 @@ it runs:
 - a bf16/fp16 tensor on a CPU without native 16-bit arithmetic (no AVX512-BF16 / AVX512-FP16,
   ``cpu_has_16bit``) with up to 8 rows of x: the native kernel, upcasting each block of 32 in
   registers (decode near the bandwidth bound); otherwise ``F.linear``.
+- an fp32 tensor on the CPU with up to 8 rows of x: the native kernel's fp32 GEMV (torch's
+  reads at about half the DRAM stream on 2 cores); otherwise ``F.linear``.
 
 A ``PackedLinear`` also dequantises whole (``dense()``) for the few stages that need the
 matrix itself (MLA's absorbed ``kv_b``). Knows nothing about plans, tiers or models.
@@ -33,7 +38,8 @@ import torch.nn.functional as F
 from hetplan.graph import DEQUANT_TILE_ELEMS
 from hetplan.runtime.kernels import native, quant
 
-FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "int8": 2, "int4": 3, "q4_k_m": 4, torch.bfloat16: 5, torch.float16: 6}
+FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "int8": 2, "int4": 3, "q4_k_m": 4, torch.bfloat16: 5, torch.float16: 6,
+              torch.float32: 7}
 """The native kernel's format numbers (``qmatmul.cpp``'s ``Fmt``)."""
 SMALL_M = 8
 """Rows of x up to which the native kernel multiplies directly (its ``SMALL_M``)."""
@@ -81,7 +87,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     ``PackedLinear``."""
     if isinstance(w, PackedLinear):
         y = packed_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
-    elif _native_16bit(x, w):
+    elif _native_dense(x, w):
         y = native.module().matmul(x.reshape(-1, x.shape[-1]).float(), FORMAT_IDS[w.dtype], w.shape[1], [w], False)
         y = y.to(x.dtype).view(*x.shape[:-1], -1)
     else:
@@ -98,13 +104,10 @@ def linear_t(x: torch.Tensor, w) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype, reading ``w``'s packed bytes."""
     mod = native.module() if w.device.type == "cpu" else None
-    int8 = int8_prefill()
-    outs = []
-    for seg in w.segments:
-        if mod is not None:
-            outs.append(mod.matmul(x.float().contiguous(), FORMAT_IDS[w.fmt], w.cols, list(seg), int8).to(x.dtype))
-        else:
-            outs.append(_tiled(x, w.fmt, w.cols, seg))
+    if mod is not None:   # one call for all segments: x read (and quantised) once
+        int8 = int8_decode() if x.shape[0] <= SMALL_M else int8_prefill()
+        return mod.matmul_cat(x.float(), FORMAT_IDS[w.fmt], w.cols, w.segments, int8).to(x.dtype)
+    outs = [_tiled(x, w.fmt, w.cols, seg) for seg in w.segments]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
@@ -130,6 +133,16 @@ def int8_prefill() -> bool:
     return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_PREFILL", False)
 
 
+def int8_decode() -> bool:
+    """Whether the native kernel multiplies decode-sized x (up to ``SMALL_M`` rows) on packed
+    weights in int8: it was built with AVX-512 VNNI and ``HETPLAN_INT8_DECODE`` is not 0. On by
+    default: 2-4x the fp32 kernel's throughput for the 4-bit formats, 1.6-1.9x for q8_0 / int8
+    (``bench/quant_kernels.py``), at the cost of the activation-rounding bound."""
+    from hetplan.env import switch
+    mod = native.module()
+    return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_DECODE", True)
+
+
 _CPU_16BIT: dict = {}
 
 
@@ -145,8 +158,12 @@ def cpu_has_16bit(dtype: torch.dtype) -> bool:
     return _CPU_16BIT[dtype]
 
 
-def _native_16bit(x: torch.Tensor, w) -> bool:
-    """A 16-bit weight on a CPU that upcasts it, at a decode-sized x: the native kernel's case."""
-    return (w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" and w.dim() == 2
-            and w.stride(1) == 1 and x.numel() // x.shape[-1] <= SMALL_M and not cpu_has_16bit(w.dtype)
+def _native_dense(x: torch.Tensor, w) -> bool:
+    """An fp32 weight, or a 16-bit one on a CPU that upcasts it, on the CPU at a decode-sized x:
+    the native kernel's case."""
+    if w.device.type != "cpu" or w.dim() != 2 or w.stride(1) != 1 or x.numel() // max(x.shape[-1], 1) > SMALL_M:
+        return False
+    if w.dtype == torch.float32:
+        return x.dtype == torch.float32 and native.module() is not None
+    return (w.dtype in (torch.bfloat16, torch.float16) and not cpu_has_16bit(w.dtype)
             and native.module() is not None)

@@ -106,8 +106,9 @@ def assert_close(got: torch.Tensor, ref: np.ndarray, x: torch.Tensor, w: torch.T
 
 @pytest.fixture(params=["native", "torch"])
 def path(request, monkeypatch):
-    """The fp32 paths (prefill multiplied in int8 is ``test_int8_prefill``'s, with its own bound)."""
+    """The fp32 paths (x multiplied in int8 is ``test_int8_prefill``'s, with its own bound)."""
     monkeypatch.setenv("HETPLAN_INT8_PREFILL", "0")
+    monkeypatch.setenv("HETPLAN_INT8_DECODE", "0")
     if request.param == "native":
         if native.module() is None:
             pytest.skip(f"native kernel unavailable: {native.unavailable()}")
@@ -146,10 +147,24 @@ def test_16bit_upcasting_kernel_equals_fp32_matmul(monkeypatch, dtype, shape):
     monkeypatch.setenv("HETPLAN_CPU_16BIT", "0")
     w = weights(shape, 6).to(dtype)
     x = torch.randn(1, shape[1]).to(dtype)
-    assert klinear._native_16bit(x, w)
+    assert klinear._native_dense(x, w)
     got = linear(x, w).float()
     ref = x.double().numpy() @ w.double().numpy().T
     scale = (x.abs().double().numpy() @ w.abs().double().numpy().T)
     assert (np.abs(got.double().numpy() - ref) <= 1e-2 * scale + 1e-3).all()  # the output rounded to 16 bits
     exact = native.module().matmul(x.float(), klinear.FORMAT_IDS[dtype], shape[1], [w], False)
     assert (np.abs(exact.double().numpy() - ref) <= 1e-5 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("shape", [(40, 100), (64, 512), (5, 17)])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_fp32_gemv_kernel_equals_fp32_matmul(shape, m):
+    """fp32 weights at a decode-sized x take the native GEMV: within fp32 accumulation of x @ w^T."""
+    if native.module() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable()}")
+    w, x, bias = weights(shape, 14), torch.randn(1, m, shape[1]), torch.randn(shape[0])
+    assert klinear._native_dense(x, w) and not klinear._native_dense(torch.randn(9, shape[1]), w)
+    got = linear(x, w, bias).view(m, -1)
+    xd = x.view(m, -1).double().numpy()
+    ref = xd @ w.double().numpy().T + bias.double().numpy()
+    assert (np.abs(got.double().numpy() - ref) <= 1e-5 * (np.abs(xd) @ w.abs().double().numpy().T) + 1e-6).all()

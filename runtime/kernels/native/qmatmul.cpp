@@ -31,7 +31,7 @@
 
 namespace {
 
-enum Fmt { Q8_0 = 0, Q4_0 = 1, INT8 = 2, INT4 = 3, Q4_K_M = 4, BF16 = 5, FP16 = 6 };
+enum Fmt { Q8_0 = 0, Q4_0 = 1, INT8 = 2, INT4 = 3, Q4_K_M = 4, BF16 = 5, FP16 = 6, FP32 = 7 };
 
 struct Rows {
   int fmt;
@@ -124,11 +124,16 @@ inline void block(const Rows& r, int64_t n, int64_t b, float* __restrict out) {
       for (int t = 0; t < 32; ++t) out[t] = t < valid ? static_cast<float>(w[t]) : 0.f;
       break;
     }
+    case FP32: {
+      const float* w = reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]) + k0;
+      for (int t = 0; t < 32; ++t) out[t] = t < valid ? w[t] : 0.f;
+      break;
+    }
   }
 }
 
 Rows rows_of(int64_t fmt, int64_t K, const std::vector<torch::Tensor>& parts) {
-  TORCH_CHECK(fmt >= Q8_0 && fmt <= FP16, "qmatmul: unknown format id ", fmt);
+  TORCH_CHECK(fmt >= Q8_0 && fmt <= FP32, "qmatmul: unknown format id ", fmt);
   TORCH_CHECK(!parts.empty() && parts.size() <= 4, "qmatmul: 1 to 4 packed arrays");
   Rows r{static_cast<int>(fmt), K, {nullptr, nullptr, nullptr, nullptr}, {0, 0, 0, 0}};
   const int64_t N = parts[0].size(0);
@@ -143,6 +148,20 @@ Rows rows_of(int64_t fmt, int64_t K, const std::vector<torch::Tensor>& parts) {
 }
 
 constexpr int64_t SMALL_M = 8;   // rows of x up to which the direct kernel runs
+
+struct Seg {                      // one linear of a fused weight: its rows, at columns [off, off + n) of y
+  Rows r;
+  int64_t off, n;
+};
+
+// f(seg, n0, n1) for the part [n0, n1) (the segment's own rows) of each segment that [a, e) covers.
+template <class F>
+inline void over_segments(const std::vector<Seg>& segs, int64_t a, int64_t e, F f) {
+  for (const Seg& g : segs) {
+    const int64_t lo = std::max(a, g.off), hi = std::min(e, g.off + g.n);
+    if (lo < hi) f(g, lo - g.off, hi - g.off);
+  }
+}
 
 #ifdef HETPLAN_AVX512
 inline float h2f_fast(const uint8_t* p) {
@@ -195,6 +214,10 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
     const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
     w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
     w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))), 16));
+  } else if (FMT == FP32) {
+    const float* w = reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]) + k0;
+    w0 = _mm512_loadu_ps(w);
+    w1 = _mm512_loadu_ps(w + 16);
   } else {
     const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
     w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
@@ -204,6 +227,7 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
 #endif
 
 #include "qint8.h"
+#include "qdecode.h"
 
 // Rows [n0, n1) of y for M rows of x (padded to Kp): FMT and M known at compile time, so the
 // block's 32 weights and the M accumulators stay in vector registers (AVX-512 intrinsics where
@@ -278,31 +302,37 @@ void dequantise_rows(const Rows& r, int64_t n0, int64_t a, int64_t e, float* o) 
   }
 }
 
+// y [M, N] (N the segments' rows together) for M <= SMALL_M, one parallel region for all segments.
 template <int FMT>
-void direct_fmt(const Rows& r, const float* x, int64_t M, int64_t N, int64_t Kp, float* y, int64_t ldy) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: return direct_rows<FMT, 1>(r, x, Kp, y, ldy, n0, n1);
-      case 2: return direct_rows<FMT, 2>(r, x, Kp, y, ldy, n0, n1);
-      case 3: return direct_rows<FMT, 3>(r, x, Kp, y, ldy, n0, n1);
-      case 4: return direct_rows<FMT, 4>(r, x, Kp, y, ldy, n0, n1);
-      case 5: return direct_rows<FMT, 5>(r, x, Kp, y, ldy, n0, n1);
-      case 6: return direct_rows<FMT, 6>(r, x, Kp, y, ldy, n0, n1);
-      case 7: return direct_rows<FMT, 7>(r, x, Kp, y, ldy, n0, n1);
-      default: return direct_rows<FMT, 8>(r, x, Kp, y, ldy, n0, n1);
-    }
+void direct_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, int64_t Kp, float* y) {
+  at::parallel_for(0, N, 16, [&](int64_t a, int64_t e) {
+    over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
+      const Rows& r = g.r;
+      float* yg = y + g.off;
+      switch (M) {
+        case 1: return direct_rows<FMT, 1>(r, x, Kp, yg, N, n0, n1);
+        case 2: return direct_rows<FMT, 2>(r, x, Kp, yg, N, n0, n1);
+        case 3: return direct_rows<FMT, 3>(r, x, Kp, yg, N, n0, n1);
+        case 4: return direct_rows<FMT, 4>(r, x, Kp, yg, N, n0, n1);
+        case 5: return direct_rows<FMT, 5>(r, x, Kp, yg, N, n0, n1);
+        case 6: return direct_rows<FMT, 6>(r, x, Kp, yg, N, n0, n1);
+        case 7: return direct_rows<FMT, 7>(r, x, Kp, yg, N, n0, n1);
+        default: return direct_rows<FMT, 8>(r, x, Kp, yg, N, n0, n1);
+      }
+    });
   });
 }
 
-void direct(const Rows& r, const float* x, int64_t M, int64_t N, int64_t Kp, float* y, int64_t ldy) {
-  switch (r.fmt) {
-    case Q8_0: return direct_fmt<Q8_0>(r, x, M, N, Kp, y, ldy);
-    case Q4_0: return direct_fmt<Q4_0>(r, x, M, N, Kp, y, ldy);
-    case INT8: return direct_fmt<INT8>(r, x, M, N, Kp, y, ldy);
-    case INT4: return direct_fmt<INT4>(r, x, M, N, Kp, y, ldy);
-    case Q4_K_M: return direct_fmt<Q4_K_M>(r, x, M, N, Kp, y, ldy);
-    case BF16: return direct_fmt<BF16>(r, x, M, N, Kp, y, ldy);
-    default: return direct_fmt<FP16>(r, x, M, N, Kp, y, ldy);
+void direct(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, int64_t Kp, float* y) {
+  switch (segs[0].r.fmt) {
+    case Q8_0: return direct_fmt<Q8_0>(segs, x, M, N, Kp, y);
+    case Q4_0: return direct_fmt<Q4_0>(segs, x, M, N, Kp, y);
+    case INT8: return direct_fmt<INT8>(segs, x, M, N, Kp, y);
+    case INT4: return direct_fmt<INT4>(segs, x, M, N, Kp, y);
+    case Q4_K_M: return direct_fmt<Q4_K_M>(segs, x, M, N, Kp, y);
+    case BF16: return direct_fmt<BF16>(segs, x, M, N, Kp, y);
+    case FP16: return direct_fmt<FP16>(segs, x, M, N, Kp, y);
+    default: return direct_fmt<FP32>(segs, x, M, N, Kp, y);
   }
 }
 
@@ -323,7 +353,8 @@ void dequantise(int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, int64_
       case INT4: return dequantise_rows<INT4>(r, n0, a, e, o);
       case Q4_K_M: return dequantise_rows<Q4_K_M>(r, n0, a, e, o);
       case BF16: return dequantise_rows<BF16>(r, n0, a, e, o);
-      default: return dequantise_rows<FP16>(r, n0, a, e, o);
+      case FP16: return dequantise_rows<FP16>(r, n0, a, e, o);
+      default: return dequantise_rows<FP32>(r, n0, a, e, o);
     }
   });
 }
@@ -337,42 +368,75 @@ bool has_int8() {
 }
 
 // x [M, K] fp32 -> y [M, N] fp32 with W (format fmt, arrays parts, N rows of K values); for
-// M > SMALL_M and a quantised format, int8 = true multiplies in int8 where has_int8() (x
-// quantised per block of 32), and the fp32 tile path runs otherwise.
+// M <= SMALL_M and a quantised format, int8 = true multiplies in int8 where has_int8() (x
+// quantised per block of 32, qdecode.h); for M > SMALL_M likewise (qint8.h); the fp32 paths
+// run otherwise.
+torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<std::vector<torch::Tensor>> segments,
+                         bool int8);
+
 torch::Tensor matmul(torch::Tensor x, int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, bool int8) {
+  return matmul_cat(x, fmt, K, {parts}, int8);
+}
+
+// The same for several weights of one format and width (a fused qkv or gate_up: each its own
+// row arrays), their outputs side by side in one y [M, sum of rows]: x is read (and, in int8,
+// quantised) once, and decode runs one parallel region over all their rows.
+torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<std::vector<torch::Tensor>> segments,
+                         bool int8) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat32,
               "qmatmul: x must be a CPU fp32 [M, K] tensor, K = ", K);
-  const Rows r = rows_of(fmt, K, parts);
-  const int64_t M = x.size(0), N = parts[0].size(0), Kp = (K + 31) / 32 * 32;
+  TORCH_CHECK(!segments.empty(), "qmatmul: no weights");
+  std::vector<Seg> segs;
+  int64_t N = 0;
+  for (const auto& parts : segments) {
+    const Rows r = rows_of(fmt, K, parts);
+    const int64_t n = parts[0].size(0);
+    segs.push_back(Seg{r, N, n});
+    N += n;
+  }
+  const int64_t M = x.size(0), Kp = (K + 31) / 32 * 32;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  torch::Tensor xc = x.contiguous();
   if (M <= SMALL_M) {
-    torch::Tensor xp = x.contiguous();
-    if (Kp != K) xp = torch::constant_pad_nd(xp, {0, Kp - K});
-    direct(r, xp.data_ptr<float>(), M, N, Kp, y.data_ptr<float>(), N);
-    return y;
-  }
 #ifdef HETPLAN_VNNI
-  if (int8 && fmt <= Q4_K_M) {
-    torch::Tensor xc = x.contiguous();
-    int8_matmul(r, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+    if (int8 && fmt <= Q4_K_M) {
+      vnni_decode(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+      return y;
+    }
+#endif
+    if (Kp != K) xc = torch::constant_pad_nd(xc, {0, Kp - K});
+    direct(segs, xc.data_ptr<float>(), M, N, Kp, y.data_ptr<float>());
     return y;
   }
+  for (size_t s = 0; s < segs.size(); ++s) {
+    const Seg& g = segs[s];
+    if (segs.size() > 1) {
+      y.narrow(1, g.off, g.n).copy_(matmul_cat(xc, fmt, K, {segments[s]}, int8));
+      continue;
+    }
+#ifdef HETPLAN_VNNI
+    if (int8 && fmt <= Q4_K_M) {
+      int8_matmul(g.r, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+      return y;
+    }
 #endif
-  // a tile of about 1 MiB of fp32 weights, in cache while at::mm reads it
-  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / Kp / 16 * 16));
-  auto scratch = torch::empty({tile, K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += tile) {
-    const int64_t n1 = std::min(N, n0 + tile);
-    auto w = scratch.narrow(0, 0, n1 - n0);
-    dequantise(fmt, K, parts, n0, n1, w);
-    y.narrow(1, n0, n1 - n0).copy_(torch::mm(x, w.t()));
+    // a tile of about 1 MiB of fp32 weights, in cache while at::mm reads it
+    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / Kp / 16 * 16));
+    auto scratch = torch::empty({tile, K}, x.options());
+    for (int64_t n0 = 0; n0 < N; n0 += tile) {
+      const int64_t n1 = std::min(N, n0 + tile);
+      auto w = scratch.narrow(0, 0, n1 - n0);
+      dequantise(fmt, K, segments[s], n0, n1, w);
+      y.narrow(1, n0, n1 - n0).copy_(torch::mm(xc, w.t()));
+    }
   }
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "y = x @ W^T, W packed (format id, K, row arrays, int8 prefill)");
+  m.def("matmul", &matmul, "y = x @ W^T, W packed (format id, K, row arrays, int8)");
+  m.def("matmul_cat", &matmul_cat, "y = x @ [W_1; W_2; ...]^T, each W packed (format id, K, row arrays of each, int8)");
   m.def("has_int8", &has_int8, "whether prefill can multiply in int8 (AVX-512 VNNI)");
   m.def("dequantise", &dequantise, "rows [n0, n1) of a packed W into an fp32 tensor");
 }
