@@ -21,7 +21,8 @@ from hetplan.plan.format import RESOURCES, SCHEMA_VERSION, TIERS, WEIGHTS
 from hetplan.schema.fields import (MAX_NODES_MAX, TIME_LIMIT_MAX_S, Bytes, Count, Dim, Fingerprint, FlopRate,
                                    Fraction, LinkRate, MemRate, Seconds, Strict, TokenRate, count, quantity)
 from hetplan.schema.config import RopeScaling
-from hetplan.schema.pipeline import Pipeline, PipelineLink, PipelinePredicted, PipelineStage, StageTiers
+from hetplan.schema.pipeline import (Pipeline, PipelineLink, PipelineNetwork, PipelinePredicted, PipelineStage,
+                                     SingleDevice, SplitBaseline, StageTiers)
 from hetplan.schema.routing import Routing
 from hetplan.workload import OBJECTIVES
 
@@ -365,7 +366,8 @@ class PlanFile(Strict):
     cpu_attention_bytes_per_cache_byte: quantity("bytes/byte", 64.0, 1.0) = Field(
         1.0, description="DRAM bytes a CPU decode attention moves per KV byte read (written when not 1)")
     pipeline: Pipeline | None = Field(None, description="the stages over several GPUs (written for a node "
-                                      "with several); the rest of the file is the single-GPU plan of GPU 0")
+                                      "with several, or a cluster): the plan to run; the rest of the file is "
+                                      "its first stage's own plan")
 
     @model_validator(mode="after")
     def _blocks_agree(self):
@@ -394,5 +396,7 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("inputs", Inputs), ("inputs.cli_args", CliArgs),
             ("pipeline", Pipeline), ("pipeline.stages[]", PipelineStage), ("pipeline.stages[].weights", StageTiers),
             ("pipeline.links[]", PipelineLink), ("pipeline.predicted", PipelinePredicted),
+            ("pipeline.network", PipelineNetwork), ("pipeline.single_device", SingleDevice),
+            ("pipeline.baselines.*", SplitBaseline),
             ("inputs.cli_args.routing", Routing))
 """Where each model sits in a plan, for the README's key table (``a, b``: both places)."""
