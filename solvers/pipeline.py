@@ -21,9 +21,10 @@ the last one used (``(+)`` is ``+`` or ``max``)::
 Pricing a stage is a solve, so the inner minimum over ``a`` is a branch and bound: ``best(a, j)``
 never decreases as ``a`` grows (more layers before) and ``stage(k, a, b)`` never increases
 (fewer layers in it), so on an interval ``[lo, hi]`` of ``a`` every candidate costs at least
-``best(lo, j) (+) link (+) stage(k, hi, b)``, and an interval whose bound is no better than
+``min_{j' <= j} best(lo, j') (+) link (+) stage(k, hi, b)``, and an interval whose bound is no better than
 the best found is dropped unpriced. This is exact when a stage's price is monotone in its layer
-count, which an exact single-device solve is (a plan for more layers, less one, still runs).
+count, which an exact single-device solve is (a plan for more layers, less one, still runs);
+``best(lo, j)`` in that bound is the least over GPUs ``<= j`` (see ``bound``).
 
 Pricing a stage is the expensive step, so an optional ``lower(k, a, b)`` (a cheap lower bound on
 ``stage(k, a, b)``, e.g. bytes over bandwidth) is tried first wherever a stage's price would
@@ -91,9 +92,13 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
 
         def bound(lo, hi):
             """A lower bound on every candidate in [lo, hi]: the cheap one first, the stage's
-            price when the cheap one cannot rule the interval out."""
-            cheap = combine(objective, prefix(lo)[0], l, lower(k, hi, b))
-            return cheap if cheap >= top[0] else combine(objective, prefix(lo)[0], l, stage(k, hi, b))
+            price when the cheap one cannot rule the interval out. ``best(a, j)`` itself need not
+            grow with ``a`` (a one-layer last stage dropped leaves a split ending on another GPU),
+            but cut at ``lo`` any split of [0, a) ending on GPU j leaves a split of [0, lo) ending
+            on some GPU <= j, no dearer: ``best(a, j) >= min_{j' <= j} best(lo, j')``."""
+            before = min(best(lo, i, top[0])[0] for i in range(j + 1))
+            cheap = combine(objective, before, l, lower(k, hi, b))
+            return cheap if cheap >= top[0] else combine(objective, before, l, stage(k, hi, b))
 
         def consider(a, top):
             if combine(objective, prefix(a)[0], l, lower(k, a, b)) >= top[0]:
