@@ -10,6 +10,12 @@ after the one before it ends, so it takes at least the sum over its stages of th
 the stage's GPU and CPU times (an MoE stage, which may split its experts between the two
 devices and run both halves at once, at least its own physical bound). A prompt in several
 chunks may overlap chunks on the two devices, so its prefill keeps the physical bound alone.
+And a decode step of an MoE stage reads its routed experts' expected bytes (``wbytes``): HBM
+holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of all the others
+(the coldest, when the hottest are resident) come from DRAM through the CPU or over the link,
+``t >= cold / (bw_cpu + bw_h2d)`` (every MoE layer routed alike, as without a routing profile);
+the MoE stages of the chain take at least that together, the other stages their own times
+besides: ``t >= chain_dense + max(chain_moe, cold / (bw_cpu + bw_h2d))``.
 The totals come from prefix sums over one whole-model problem per kind of device, so a bound
 costs a few additions. Knows nothing about how stages are chosen or solved.
 """
@@ -40,15 +46,22 @@ class StageBound:
         self.cap = problem.gpu_budget_bytes
         self.prefix = {}
         for phase in PHASES:
-            nbytes, flops, chain = [0.0] * (L + 2), [0.0] * (L + 2), [0.0] * (L + 2)
+            nbytes, flops, chain, moe = ([0.0] * (L + 2) for _ in range(4))
             for sc in problem.stages[phase]:
                 st = sc.stage
                 nbytes[position[st.block]] += st.work.bytes
                 flops[position[st.block]] += st.work.flops
-                chain[position[st.block]] += self._chain_s(sc, problem)
+                (moe if st.kind == "moe" else chain)[position[st.block]] += self._chain_s(sc, problem)
             if phase == "prefill" and wl.n_chunks > 1:
-                chain = [0.0] * (L + 2)
-            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain))
+                chain, moe = [0.0] * (L + 2), [0.0] * (L + 2)
+            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe))
+        layers = problem.experts.get("decode", {})
+        alike = len({(e.wbytes, e.expert_bytes) for e in layers.values()}) == 1
+        self.moe = [0] * (L + 2)
+        for name in layers if alike else ():
+            self.moe[position[name]] += 1
+        self.moe = list(accumulate(self.moe, initial=0))
+        self.experts = next(iter(layers.values())) if alike else None
 
     def _chain_s(self, sc, problem) -> float:
         """The least time stage ``sc`` can take on this device: the faster of GPU and CPU (the
@@ -62,10 +75,27 @@ class StageBound:
     def phase_s(self, phase: str, a: int, b: int) -> float:
         """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
         first, end = (0 if a == 0 else a + 1), (b + 2 if b == self.n_layers else b + 1)
-        nbytes, flops, chain = self.prefix[phase]
-        return max(chain[end] - chain[first],
+        nbytes, flops, chain, moe = self.prefix[phase]
+        cold = self.cold_experts_s(first, end) if phase == "decode" else 0.0
+        return max(chain[end] - chain[first] + max(moe[end] - moe[first], cold),
                    work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
                                       self.cap))
+
+    def cold_experts_s(self, first: int, end: int) -> float:
+        """Decode: the expected bytes of the experts HBM cannot hold, over DRAM and the link."""
+        e, hw = self.experts, self.hw
+        if e is None or hw.gpu is None:
+            return 0.0
+        n_moe = self.moe[end] - self.moe[first]
+        held = int(self.cap // e.expert_bytes) if e.expert_bytes > 0 else 0
+        # every layer's experts alike: the hottest rank of each layer first, then the next, ...
+        cold, left = 0.0, held
+        for w in sorted(e.wbytes, reverse=True):
+            resident = min(n_moe, left)
+            left -= resident
+            cold += (n_moe - resident) * w
+        eff = hw.efficiency
+        return cold / (hw.cpu.mem_bytes_per_s * eff["cpu_mem"] + hw.h2d_bytes_per_s * eff["link"])
 
     def __call__(self, a: int, b: int) -> tuple:
         return self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
