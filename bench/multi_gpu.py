@@ -1,13 +1,15 @@
-"""Several GPUs: the pipeline plan against the best single-GPU plan, predicted, with compile time.
+"""Several GPUs and several nodes: the pipeline plan against the best single-GPU plan and against
+llama.cpp's ``--split-mode layer`` (default ``--tensor-split``, by free memory), predicted, with
+compile times.
 
-    python bench/multi_gpu.py                  # llama-3.1-70b q4_k_m on 2x3090-128g
-    python bench/multi_gpu.py --deepseek       # and deepseek-v3 q4_k_m on 8xh100 (slow: MoE stages)
+    python bench/multi_gpu.py                  # 70B on 2x3090-128g, Qwen2.5-72B on 4xdesktop-10gbe
+    python bench/multi_gpu.py --deepseek       # and deepseek-v3 on 8xh100 (slow: see RESULTS.md)
 
-For each case it compiles once on the multi-GPU node (``hetplan compile``'s library call: GPU 0's
-plan and the pipeline beside it) and once on the same GPU in a one-GPU node where one exists
-(rtx3090-128g: the card on PCIe 4.0 x16 rather than x8), and prints the predicted decode and
-prefill rates of each, the pipeline's stages, and the wall and CPU seconds of each compile.
-Predictions only: nothing here runs a model.
+For each case it compiles once on the multi-device machine (``hetplan compile``'s library call:
+the pipeline, its first stage as the main part, the llama.cpp split priced beside it) and once
+on one of its GPUs in a one-GPU node (the same card's preset), and prints the predicted decode
+and prefill rates of each and the wall and CPU seconds of each compile. Predictions only:
+nothing here runs a model.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetplan.compiler import CompileRequest, compile_plan  # noqa: E402
+from hetplan.pipeline.compile import LLAMA_CPP  # noqa: E402
 
-CASES = [("llama-3.1-70b", "2x3090-128g", "rtx3090-128g"), ("deepseek-v3", "8xh100", None)]
+CASES = [("llama-3.1-70b", "2x3090-128g", "rtx3090-128g"), ("qwen2.5-72b", "4xdesktop-10gbe", "rtx4090-64g"),
+         ("deepseek-v3", "8xh100", None)]
 
 
 def compile_case(model: str, hw: str):
@@ -30,42 +34,47 @@ def compile_case(model: str, hw: str):
     return plan, time.perf_counter() - t0, time.process_time() - c0
 
 
-def row(label: str, pred: dict, wall: float, cpu: float) -> str:
+def row(label: str, pred: dict, wall: float | None, cpu: float | None) -> str:
+    took = f"{wall:.1f} s | {cpu:.1f} s" if wall is not None else "(same compile) |"
     return (f"| {label} | {pred['ttft_s'] * 1e3:.1f} ms | {pred['tpot_s'] * 1e3:.2f} ms | "
-            f"{pred['decode_tokens_per_s']:.2f} | {pred['prefill_tokens_per_s']:.1f} | {wall:.1f} s | {cpu:.1f} s |")
+            f"{pred['decode_tokens_per_s']:.2f} | {pred['prefill_tokens_per_s']:.1f} | {took} |")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepseek", action="store_true", help="also deepseek-v3 on 8xh100")
     args = ap.parse_args()
-    for model, multi, single in CASES[:2 if args.deepseek else 1]:
+    for model, multi, single in CASES[:3 if args.deepseek else 2]:
         print(f"\n{model} q4_k_m, batch 1, prompt 512, generate 128")
         print("| plan | TTFT | TPOT | decode tok/s | prefill tok/s | compile wall | compile CPU |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         plan, wall, cpu = compile_case(model, multi)
+        pp = plan.pipeline
+        one = None
         if single is not None:
             one, w1, c1 = compile_case(model, single)
-            print(row(f"{single} (one GPU, x16)", one.predicted, w1, c1))
-        print(row(f"{multi}: GPU 0 alone", plan.predicted, wall, cpu))
-        if plan.pipeline is None:
-            print(f"| {multi}: no pipeline | | | | | | |")
-            continue
-        pp = plan.pipeline
-        print(row(f"{multi}: pipeline over {len(pp['stages'])} GPUs (same compile)", pp["predicted"], wall, cpu))
-        base = one.predicted if single is not None else plan.predicted
+            print(row(f"{single} (one GPU)", one.predicted, w1, c1))
+        print(row(f"{multi}: pipeline over {len(pp['stages'])} of {pp['devices']} devices", pp["predicted"], wall, cpu))
+        base = pp["baselines"][LLAMA_CPP]
+        if base["fits"]:
+            print(row(f"{multi}: {LLAMA_CPP} (stages {base['stages']})", base, None, None))
+        else:
+            print(f"| {multi}: {LLAMA_CPP} (stages {base['stages']}): does not fit | | | | | | |")
         p = pp["predicted"]
-        print(f"pipeline / best single GPU: decode {p['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x, "
-              f"prefill {p['prefill_tokens_per_s'] / base['prefill_tokens_per_s']:.2f}x; with micro-batches "
-              f"filling the stages {p['pipelined_decode_tokens_per_s']:.2f} tok/s")
+        if one is not None:
+            print(f"pipeline / one GPU: decode {p['decode_tokens_per_s'] / one.predicted['decode_tokens_per_s']:.2f}x, "
+                  f"prefill {p['prefill_tokens_per_s'] / one.predicted['prefill_tokens_per_s']:.2f}x")
+        if base["fits"]:
+            print(f"pipeline / {LLAMA_CPP}: decode {p['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}x, "
+                  f"prefill {p['prefill_tokens_per_s'] / base['prefill_tokens_per_s']:.3f}x")
         for s in pp["stages"]:
             w = s["weights"]
-            print(f"  GPU {s['gpu']}: layers {s['layers'][0]}-{s['layers'][1] - 1}, blocks gpu/stream/cpu "
+            where = (f"node {s['node']} " if "node" in s else "") + (f"GPU {s['gpu']}" if "gpu" in s else "CPU")
+            print(f"  {where}: layers {s['layers'][0]}-{s['layers'][1] - 1}, blocks gpu/stream/cpu "
                   f"{w['gpu']}/{w['stream']}/{w['cpu']}, {s['gpu_bytes'] / 2**30:.2f} GiB on the GPU, "
                   f"TTFT {s['ttft_s'] * 1e3:.1f} ms, TPOT {s['tpot_s'] * 1e3:.2f} ms")
         for l in pp["links"]:
-            print(f"  link {l['from_gpu']}->{l['to_gpu']} ({l['kind']}): prefill {l['prefill_s'] * 1e3:.3f} ms, "
-                  f"decode {l['decode_s'] * 1e6:.1f} us")
+            print(f"  link ({l['kind']}): prefill {l['prefill_s'] * 1e3:.3f} ms, decode {l['decode_s'] * 1e6:.1f} us")
     return 0
 
 

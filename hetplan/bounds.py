@@ -18,10 +18,17 @@ from hetplan.problem import Problem
 
 
 def phase_lower_bound_s(problem: Problem, phase: str) -> float:
-    hw, spec, eff = problem.hw, problem.model, problem.hw.efficiency
     stages = problem.graph.stages[phase]
     nbytes = sum(st.work.bytes for st in stages)
     flops = sum(st.work.flops for st in stages)
+    cap = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
+    return work_lower_bound_s(problem.hw, problem.model, nbytes, flops, cap)
+
+
+def work_lower_bound_s(hw, spec, nbytes: float, flops: float, cap: float) -> float:
+    """The bound above for ``nbytes`` read and ``flops`` computed with at most ``cap`` bytes
+    resident in HBM (any smaller ``cap`` or fewer bytes gives a weaker, still valid bound)."""
+    eff = hw.efficiency
     cpu_bw = hw.cpu.mem_bytes_per_s * eff["cpu_mem"]
     cpu_peak = hw.cpu.peak_flops("fp32" if spec.weight_dtype == "fp32" else "bf16") * eff["cpu_flops"]
     if hw.gpu is None:
@@ -29,6 +36,5 @@ def phase_lower_bound_s(problem: Problem, phase: str) -> float:
     gpu_bw = hw.gpu.mem_bytes_per_s * eff["gpu_mem"]
     link_bw = hw.h2d_bytes_per_s * eff["link"]
     gpu_peak = hw.gpu.peak_flops(compute_dtype(spec.weight_dtype)) * eff["gpu_flops"]
-    cap = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
     return max(nbytes / (gpu_bw + cpu_bw + link_bw), max(0.0, nbytes - cap) / (cpu_bw + link_bw),
                flops / (gpu_peak + cpu_peak))

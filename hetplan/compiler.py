@@ -17,8 +17,9 @@ from hetplan import progress
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.evaluate import fits, objective_s, plan_within_budget, predictions
-from hetplan.hardware import HardwareSpec, load_node
+from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
+from hetplan.pipeline.topology import Topology
 from hetplan.frontends.resolve import load_model
 from hetplan.plan import Plan
 from hetplan.graph import workspace_bytes
@@ -112,15 +113,18 @@ def parse_strategy(text: str) -> tuple[str, int | str | None]:
 
 
 def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
-    hw = load_node(req.hw)
-    gpu_mem = parse_bytes(req.gpu_mem, "--gpu-mem") if req.gpu_mem else None
+    """The model and the machine: a HardwareSpec, or a ``Topology`` for a cluster."""
+    from hetplan.cluster import load_hardware
+    from hetplan.pipeline.compile import with_gpu_budgets
+
+    hw = load_hardware(req.hw)
     cpu_mem = parse_bytes(req.cpu_mem, "--cpu-mem") if req.cpu_mem else None
-    for flag, value, dev in (("--gpu-mem", gpu_mem, hw.gpu), ("--cpu-mem", cpu_mem, hw.cpu)):
-        if value is not None and dev is not None and value > dev.memory_bytes:
-            raise HetplanError(f"{flag} {req.gpu_mem if flag == '--gpu-mem' else req.cpu_mem}: more than the "
-                               f"{dev.name} of node {hw.name!r} has ({format_bytes(dev.memory_bytes)} in all); "
-                               f"give at most that, or describe the real machine in a node.yaml")
-    hw = hw.with_budgets(gpu_mem, cpu_mem)
+    for node in getattr(hw, "nodes", (hw,)):
+        if cpu_mem is not None and cpu_mem > node.cpu.memory_bytes:
+            raise HetplanError(f"--cpu-mem {req.cpu_mem}: more than the {node.cpu.name} of node {node.name!r} has "
+                               f"({format_bytes(node.cpu.memory_bytes)} in all); give at most that, or describe "
+                               f"the real machine in a node.yaml")
+    hw = with_gpu_budgets(hw, req.gpu_mem, cpu_mem)
     dtype = None if req.weight_dtype == "auto" else req.weight_dtype
     spec = load_model(req.model, dtype, req.kv_dtype)
     if "gguf" in spec.extra:
@@ -129,27 +133,18 @@ def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
     return spec, hw
 
 
-def with_pipeline(plan: Plan, req: CompileRequest) -> Plan:
-    """On a node with several GPUs: ``plan`` (GPU 0 alone) with the pipeline over all of them
-    (``hetplan.pipeline``) beside it, each stage solved by the ILP; a note says how the two
-    compare, or why there is no pipeline."""
-    from hetplan.pipeline import plan_pipeline
+def _compile_devices(spec, hw, req: CompileRequest, strategy: str, routing) -> tuple[Plan, float]:
+    """Several devices: the pipeline plan (``hetplan.pipeline.compile``); a cluster takes
+    --strategy ilp only."""
+    from hetplan.pipeline.compile import compile_pipeline
 
-    hw = plan.hardware
-    try:
-        with progress.step(f"choosing pipeline stages over the {len(hw.gpus)} GPUs"):
-            pp = plan_pipeline(plan.model, hw, plan.workload, stage_solver(req),
-                               "max" if req.objective == "throughput" else "sum")
-    except HetplanError as e:  # InfeasibleError included: GPU 0's plan stands alone
-        req.notes.append(f"node {hw.name!r} has {len(hw.gpus)} GPUs, but no pipeline over them: {e}; the plan "
-                         f"uses GPU 0 only")
-        return plan
-    pred = pp.predicted()
-    used = ", ".join(f"GPU {s.gpu} layers {s.first_layer}-{s.end_layer - 1}" for s in pp.stages)
-    req.notes.append(f"pipeline over {len(pp.stages)} of {len(hw.gpus)} GPUs ({used}): decode "
-                     f"{pred['decode_tokens_per_s']:.3g} tok/s, {pred['decode_tokens_per_s'] / plan.predicted['decode_tokens_per_s']:.2f}x "
-                     f"GPU 0 alone; recorded in the plan's 'pipeline' (hetplan exec runs it, one process per stage)")
-    return dataclasses.replace(plan, pipeline=pp.to_dict())
+    if strategy != "ilp":
+        raise HetplanError(f"--strategy {req.strategy}: a cluster is planned with --strategy ilp (stages over "
+                           f"its nodes); plan one node with --hw NODE to use another strategy")
+    if req.dump_lp:
+        raise HetplanError("--dump-lp: a plan over several devices solves one MILP per stage; dump them by "
+                           "compiling one GPU's node (--hw with a single-GPU node.yaml)")
+    return compile_pipeline(spec, hw, req, routing)
 
 
 PLAN_STATUSES = ("optimal", "node_limit", "time_limit", "interrupted")
@@ -176,8 +171,10 @@ def _workload(req: CompileRequest, batch: int | None = None) -> Workload:
                     objective=req.objective, prefill_chunk=min(chunk, req.prompt_len))
 
 
-def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest):
-    """Run one strategy on a problem -> (Decision or None, solver info dict, solve seconds)."""
+def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest, moe_chain: bool = False):
+    """Run one strategy on a problem -> (Decision or None, solver info dict, solve seconds).
+    ``moe_chain``: a MoE problem of identical layers goes to the chain DP rather than the count
+    MILP (both exact; the DP is much the faster on the short slices pipeline stages are)."""
     from hetplan.solvers import baselines, ilp
 
     if strategy in IMPORTED:
@@ -195,7 +192,8 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
         info = {"strategy": name, "status": "heuristic", "mip_gap": None, "lower_bound_s": None, "options": {}}
         return dec, info, time.perf_counter() - t0
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
-                          stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp)
+                          stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp,
+                          count_layers=not (moe_chain and bool(problem.experts)))
     progress.activity("replaying the baselines (the plan is never worse than one that fits)")
     baseline = baselines.best_fitting(problem) if problem.has_gpu else (None, None, float("inf"))
     res = ilp.solve(problem, opts)
@@ -229,13 +227,14 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     return dec, info, res.solve_seconds
 
 
-def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = None):
+def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = None, moe_stages: bool = False):
     """The single-GPU planner one pipeline stage is priced with (``hetplan.pipeline``): a
-    problem -> its Plan under ``strategy``, or None when nothing fits."""
+    problem -> its Plan under ``strategy``, or None when nothing fits (``moe_stages``: see
+    ``decide``'s ``moe_chain``)."""
     def solve(problem: Problem) -> Plan | None:
         if not fits_at_all(problem):
             return None
-        plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req))
+        plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req, moe_chain=moe_stages))
         return plan if plan is not None and fits(plan) else None
     return solve
 
@@ -273,6 +272,9 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
         routing = load_request_routing(req, spec)
     if req.stream_cold_experts and not spec.is_moe:
         raise HetplanError(f"--stream-cold-experts: model {spec.name!r} has no experts to stream; drop the flag")
+    if isinstance(hw, Topology) or (len(hw.gpus) > 1 and strategy == "ilp"):
+        plan, solve_s = _compile_devices(spec, hw, req, strategy, routing)
+        return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
     if spec.n_layers > BOUND_FIRST_LAYERS:
         weights_bound(spec, hw, req.weight_dtype == "auto")
     tried = ""
@@ -292,8 +294,9 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
         if tried:
             raise InfeasibleError(tried + str(e)) from None
         raise
-    if len(hw.gpus) > 1 and strategy == "ilp":
-        plan = with_pipeline(plan, req)
+    if len(hw.gpus) > 1:
+        req.notes.append(f"node {hw.name!r} has {len(hw.gpus)} GPUs; --strategy {req.strategy} plans GPU 0 "
+                         f"alone (--strategy ilp plans a pipeline over all of them)")
     return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
 
 

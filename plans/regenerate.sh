@@ -20,3 +20,4 @@ scenario mixtral-8x7b   rtx4090-64g                     # MoE, experts spill to 
 scenario qwen3-30b-a3b  laptop-8g                       # small-expert MoE on a laptop
 scenario deepseek-v3    epyc-4090-512g --weight-dtype q4_k_m   # 671B MoE + MLA on a workstation
 scenario opt-175b       h200-128g                       # 175B dense on one H200
+scenario llama-3.1-70b  2x3090-128g --weight-dtype q4_k_m      # two cards as pipeline stages

@@ -173,9 +173,14 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                f"compiled in {took.wall_s:.2f} s, {took.cpu_s:.2f} s CPU]")
     if plan.pipeline is not None:
         pp = plan.pipeline["predicted"]
-        click.echo(f"  pipeline over {len(plan.pipeline['stages'])} of {len(plan.hardware.gpus)} GPUs: TTFT "
-                   f"{format_seconds(pp['ttft_s'])}, TPOT {format_seconds(pp['tpot_s'])} "
-                   f"({pp['decode_tokens_per_s']:.2f} tok/s; the figures before are GPU 0 alone)")
+        click.echo(f"  pipeline over {len(plan.pipeline['stages'])} of {plan.pipeline.get('devices', '?')} devices: "
+                   f"TTFT {format_seconds(pp['ttft_s'])}, TPOT {format_seconds(pp['tpot_s'])} "
+                   f"({pp['decode_tokens_per_s']:.2f} tok/s; the figures before are its first stage alone)")
+        for name, b in sorted(plan.pipeline.get("baselines", {}).items()):
+            click.echo(f"  {name}: " + (f"TTFT {format_seconds(b['ttft_s'])}, TPOT {format_seconds(b['tpot_s'])} "
+                                        f"({b['decode_tokens_per_s']:.2f} tok/s; the pipeline "
+                                        f"{pp['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x)"
+                                        if b.get("fits") else "does not fit"))
     elif len(plan.hardware.gpus) > 1:
         click.echo(f"  only the first of {len(plan.hardware.gpus)} GPUs is planned ({plan.hardware.gpu.name})")
     if plan.serving is not None:

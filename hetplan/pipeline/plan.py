@@ -7,32 +7,46 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hetplan import cost
 from hetplan.errors import HetplanError, InfeasibleError
-from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
+from hetplan.pipeline.bounds import StageBound
 from hetplan.pipeline.record import stage_record
-from hetplan.pipeline.stages import hidden_bytes, stage_problem
+from hetplan.pipeline.stages import device_problem, hidden_bytes
+from hetplan.pipeline.topology import Topology
 from hetplan.workload import Workload
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    gpu: int
+    gpu: int | None
+    """Index into its node's GPUs; None: the node's CPU (a node without a GPU)."""
     first_layer: int
     end_layer: int
     plan: object
-    """The stage's single-GPU Plan (its layers numbered from 0)."""
+    """The stage's single-device Plan (its layers numbered from 0)."""
+    node: int = 0
+    """Index into the topology's nodes (0 on a single node)."""
+
+    @property
+    def device(self) -> tuple:
+        return self.node, self.gpu
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
     stages: tuple
     links: tuple
-    """Per consecutive pair: {from, to, kind, prefill_s, decode_s}."""
+    """Per consecutive pair: {from, to, from_node, to_node, kind, prefill_s, decode_s}."""
     workload: Workload
     objective: str
     """sum (latency: stages one after another) or max (throughput: the slowest stage)."""
+    topology: Topology | None = None
+    alone: tuple | None = None
+    """(seconds, exact) of the best single device running the whole model, in the objective's
+    seconds: its solved price when it could compete, else a lower bound; None: none fits."""
+    model: ModelSpec | None = None
+    """The whole model the stages cut (plan.json's ``pipeline.model``: a pipeline plan's main part
+    is its first stage's layers alone)."""
 
     def phase_s(self, phase: str) -> float:
         """One pass of ``phase`` through every stage and link in turn."""
@@ -51,16 +65,55 @@ class PipelinePlan:
                 "decode_tokens_per_s": wl.batch / tpot, "prefill_tokens_per_s": wl.batch * wl.prompt_len / ttft,
                 "pipelined_decode_tokens_per_s": wl.batch / self.bottleneck_s("decode")}
 
+    def objective_s(self) -> float:
+        """The seconds the split minimised (as ``alone`` states them)."""
+        if self.objective == "max":
+            return self.bottleneck_s("decode")
+        p = self.predicted()
+        return {"ttft": p["ttft_s"], "tpot": p["tpot_s"]}.get(self.workload.objective, p["latency_s"])
+
     def to_dict(self) -> dict:
-        """The stage assignment as plan.json's ``pipeline`` records it."""
-        return {"objective": self.objective,
-                "stages": [{"gpu": s.gpu, "layers": [s.first_layer, s.end_layer],
-                            "ttft_s": s.plan.predicted["ttft_s"], "tpot_s": s.plan.predicted["tpot_s"],
-                            "gpu_bytes": s.plan.memory["gpu_bytes"], "cpu_bytes": s.plan.memory["cpu_bytes"],
-                            "weights": _tiers(s.plan), "plan": stage_record(s.plan)} for s in self.stages],
-                "links": [{"from_gpu": l["from"], "to_gpu": l["to"], "kind": l["kind"], "prefill_s": l["prefill_s"],
-                           "decode_s": l["decode_s"]} for l in self.links],
-                "predicted": self.predicted()}
+        """The stage assignment as plan.json's ``pipeline`` records it; a stage's and a link's
+        node indices and the network only on a cluster, a stage's ``gpu`` only on a GPU."""
+        topo = self.topology
+        cluster = topo is not None and len(topo.nodes) > 1
+        d = {"objective": self.objective,
+             "stages": [_stage_dict(s, cluster) for s in self.stages],
+             "links": [_link_dict(l, cluster) for l in self.links],
+             "predicted": self.predicted()}
+        if topo is not None:
+            d["devices"] = len(topo.devices)
+        if topo is not None and topo.network is not None:
+            d["network"] = {"name": topo.name, "bytes_per_s": topo.network.bytes_per_s,
+                            "latency_s": topo.network.latency_s}
+        if self.model is not None:
+            d["model"] = self.model.to_dict()
+        if self.alone is not None:
+            d["single_device"] = {"objective_s": self.alone[0], "exact": self.alone[1],
+                                  "pipeline_objective_s": self.objective_s()}
+        return d
+
+
+def _stage_dict(s: StagePlan, cluster: bool) -> dict:
+    hw = s.plan.hardware
+    d = {"device": (hw.gpus[0] if hw.gpus else hw.cpu).name, "layers": [s.first_layer, s.end_layer], "ttft_s": s.plan.predicted["ttft_s"],
+         "tpot_s": s.plan.predicted["tpot_s"], "gpu_bytes": s.plan.memory["gpu_bytes"],
+         "cpu_bytes": s.plan.memory["cpu_bytes"], "weights": _tiers(s.plan), "plan": stage_record(s.plan)}
+    if s.gpu is not None:
+        d["gpu"] = s.gpu
+    if cluster:
+        d["node"] = s.node
+    return d
+
+
+def _link_dict(l: dict, cluster: bool) -> dict:
+    d = {"kind": l["kind"], "prefill_s": l["prefill_s"], "decode_s": l["decode_s"]}
+    for end in ("from", "to"):
+        if l[end] is not None:
+            d[f"{end}_gpu"] = l[end]
+        if cluster:
+            d[f"{end}_node"] = l[f"{end}_node"]
+    return d
 
 
 def _tiers(plan) -> dict:
@@ -72,24 +125,33 @@ def _tiers(plan) -> dict:
     return out
 
 
-def plan_pipeline(spec: ModelSpec, hw: HardwareSpec, wl: Workload, solve_stage, objective: str = "sum") -> PipelinePlan:
-    """The best pipeline of ``spec`` over ``hw``'s GPUs. ``solve_stage(problem)`` is the single-GPU
-    planner: a Plan, or None when nothing fits. Stages are priced once per distinct (GPU, layer
-    count, holds embed, holds head, dense layers) and cached; a stage's seconds are what the
-    workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``)."""
+def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str = "sum") -> PipelinePlan:
+    """The best pipeline of ``spec`` over the devices of ``hw`` (a HardwareSpec: its GPUs; or a
+    ``Topology``: every node's GPUs, or its CPU where it has none). ``solve_stage(problem)`` is
+    the single-device planner: a Plan, or None when nothing fits. Stages are priced once per
+    distinct (kind of device, layer count, holds embed, holds head, dense layers) and cached, and
+    only where their cheap lower bound (``StageBound``) cannot rule them out; a stage's seconds
+    are what the workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``)."""
     from hetplan.solvers.pipeline import best_split
+    from hetplan.solvers.split_mode import layer_stages
 
-    if not hw.gpus:
-        raise HetplanError(f"node {hw.name!r} has no GPU: there is no pipeline to plan")
+    topo = Topology.of(hw)
+    devices = topo.devices
+    if not any(n.gpus for n in topo.nodes) and len(devices) == 1:
+        raise HetplanError(f"node {topo.name!r} has no GPU: there is no pipeline to plan")
     L = spec.n_layers
+    machines = [topo.device_hw(d) for d in devices]
+    kind = [machines.index(m) for m in machines]  # equal devices share prices
     plans: dict = {}
+    bounds: dict = {}
+
+    def key(k, a, b):
+        return kind[k], b - a, a == 0, b == L, min(b - a, max(0, spec.first_dense_layers - a))
 
     def stage_plan(k, a, b):
-        dense = min(b - a, max(0, spec.first_dense_layers - a))
-        key = (hw.gpus.index(hw.gpus[k]), b - a, a == 0, b == L, dense)  # equal GPUs share prices
-        if key not in plans:
-            plans[key] = solve_stage(stage_problem(spec, hw, wl, k, a, b))
-        return plans[key]
+        if key(k, a, b) not in plans:
+            plans[key(k, a, b)] = solve_stage(device_problem(spec, machines[k], wl, a, b))
+        return plans[key(k, a, b)]
 
     def seconds(pred_ttft: float, pred_tpot: float) -> float:
         """What ``wl.objective`` minimises of a stage or a link (the throughput objective: its
@@ -102,27 +164,79 @@ def plan_pipeline(spec: ModelSpec, hw: HardwareSpec, wl: Workload, solve_stage, 
         p = stage_plan(k, a, b)
         return math.inf if p is None else seconds(p.predicted["ttft_s"], p.predicted["tpot_s"])
 
-    def link_s(j, k, phase):
-        return cost.peer_seconds(hidden_bytes(spec, wl, phase), hw, j, k)
+    def lower(k, a, b):
+        if kind[k] not in bounds:
+            bounds[kind[k]] = StageBound(spec, machines[k], wl)
+        return seconds(*bounds[kind[k]](a, b))
 
     def link(j, k):
-        return seconds(link_s(j, k, "prefill"), link_s(j, k, "decode"))
+        return seconds(*(topo.hop(devices[j], devices[k], hidden_bytes(spec, wl, ph))[1]
+                         for ph in ("prefill", "decode")))
 
-    split = best_split(L, len(hw.gpus), stage, link, objective)
+    free = [m.gpu_budget_bytes() if m.gpus else m.cpu_budget_bytes() for m in machines]
+    seed = layer_stages(L, free)  # llama.cpp's split: the first incumbent
+    split = best_split(L, len(devices), stage, link, objective, lower, seed)
     if split is None:
-        raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(hw.gpus)} GPUs of "
-                              f"{hw.name!r} fits (each stage's GPU, with the host's DRAM)")
-    stages = tuple(StagePlan(k, a, b, stage_plan(k, a, b)) for k, a, b in split.stages)
-    links = tuple({"from": s.gpu, "to": t.gpu, "kind": hw.peer(s.gpu, t.gpu).kind,
-                   "prefill_s": link_s(s.gpu, t.gpu, "prefill"), "decode_s": link_s(s.gpu, t.gpu, "decode")}
-                  for s, t in zip(stages, stages[1:]))
-    cpu = sum(s.plan.memory["cpu_bytes"] for s in stages)
-    if cpu > hw.cpu_budget_bytes():
-        from hetplan.units import format_bytes
-        raise InfeasibleError(f"{spec.name}: the best split's stages hold {format_bytes(cpu)} in DRAM together, "
-                              f"more than the {format_bytes(hw.cpu_budget_bytes())} the host has free; use a "
-                              f"smaller --weight-dtype or a node with more DRAM")
-    return PipelinePlan(stages, links, wl, objective)
+        raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(devices)} devices of "
+                              f"{topo.name!r} fits (each stage's GPU, with its host's DRAM)")
+    stages = tuple(StagePlan(devices[k][1], a, b, stage_plan(k, a, b), devices[k][0]) for k, a, b in split.stages)
+    check_dram(spec, topo, stages)
+    alone = [c for c in (_alone(k, stage, lower, L, split.cost_s) for k in sorted(set(kind))) if c]
+    return PipelinePlan(stages, _links(topo, spec, wl, stages), wl, objective, topo, min(alone) if alone else None,
+                        spec)
+
+
+def fixed_pipeline(spec: ModelSpec, hw, wl: Workload, split: tuple, solve_stage, objective: str = "sum"):
+    """The pipeline of a given split ((device index, first, end) per stage), each stage planned by
+    ``solve_stage``; None when a stage does not fit."""
+    topo = Topology.of(hw)
+    devices = topo.devices
+    stages = []
+    for k, a, b in split:
+        p = solve_stage(device_problem(spec, topo.device_hw(devices[k]), wl, a, b))
+        if p is None:
+            return None
+        stages.append(StagePlan(devices[k][1], a, b, p, devices[k][0]))
+    return PipelinePlan(tuple(stages), _links(topo, spec, wl, stages), wl, objective, topo, model=spec)
+
+
+def llama_cpp_split(spec: ModelSpec, hw) -> tuple:
+    """llama.cpp's ``--split-mode layer`` split of ``spec`` over ``hw``'s devices (by free memory)."""
+    from hetplan.solvers.split_mode import layer_stages
+
+    topo = Topology.of(hw)
+    machines = [topo.device_hw(d) for d in topo.devices]
+    return layer_stages(spec.n_layers, [m.gpu_budget_bytes() if m.gpus else m.cpu_budget_bytes() for m in machines])
+
+
+def _links(topo: Topology, spec: ModelSpec, wl: Workload, stages) -> tuple:
+    def hop(s, t, phase):
+        return topo.hop(s.device, t.device, hidden_bytes(spec, wl, phase))
+    return tuple({"from": s.gpu, "to": t.gpu, "from_node": s.node, "to_node": t.node,
+                  "kind": hop(s, t, "decode")[0], "prefill_s": hop(s, t, "prefill")[1],
+                  "decode_s": hop(s, t, "decode")[1]} for s, t in zip(stages, stages[1:]))
+
+
+def check_dram(spec: ModelSpec, topo: Topology, stages) -> None:
+    """Each node's stages together must fit in its DRAM budget."""
+    for n, node in enumerate(topo.nodes):
+        cpu = sum(s.plan.memory["cpu_bytes"] for s in stages if s.node == n)
+        if cpu > node.cpu_budget_bytes():
+            from hetplan.units import format_bytes
+            raise InfeasibleError(f"{spec.name}: the best split's stages on node {node.name!r} hold "
+                                  f"{format_bytes(cpu)} in DRAM together, more than the "
+                                  f"{format_bytes(node.cpu_budget_bytes())} it has free; use a smaller "
+                                  f"--weight-dtype or a node with more DRAM")
+
+
+def _alone(k: int, stage, lower, L: int, best_s: float):
+    """(seconds, exact) of the whole model on device ``k`` alone: its price when the DP priced
+    it or it can beat ``best_s``, else its lower bound (no solve); None when it does not fit."""
+    bound = lower(k, 0, L)
+    exact = stage(k, 0, L) if bound <= best_s else None
+    if exact is not None:
+        return None if exact == math.inf else (exact, True)
+    return (bound, False)
 
 
 def pipeline_makespan_s(times: list, n_micro: int) -> float:

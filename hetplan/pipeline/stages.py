@@ -44,10 +44,15 @@ def without_ends(problem: Problem, keep: set) -> Problem:
 def stage_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, k: int, first: int, end: int) -> Problem:
     """Layers ``[first, end)`` on GPU ``k`` alone (with the embedding when ``first == 0``, the
     head when ``end == n_layers``)."""
+    return device_problem(spec, hw.single_gpu(k), wl, first, end)
+
+
+def device_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, first: int, end: int) -> Problem:
+    """Layers ``[first, end)`` on the single-device machine ``hw`` (one GPU, or none)."""
     keep = {"embed"} if first == 0 else set()
     if end == spec.n_layers:
         keep.add("head")
-    return without_ends(build_problem(slice_model(spec, first, end), hw.single_gpu(k), wl), keep)
+    return without_ends(build_problem(slice_model(spec, first, end), hw, wl), keep)
 
 
 def hidden_bytes(spec: ModelSpec, wl: Workload, phase: str) -> float:

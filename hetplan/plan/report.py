@@ -172,10 +172,7 @@ def header_lines(plan: Plan) -> list:
             + (f" in {wl.n_chunks} chunks of {wl.chunk_len}" if wl.n_chunks > 1 else "")
             + f", generate {wl.gen_len}, objective {wl.objective}",
             solver_line(plan), staging] + (
-        [f"note: the placement and schedule below are GPU 0 ({hw.gpus[0].name}) alone; "
-         + ("the pipeline over the node's GPUs follows them" if plan.pipeline is not None
-            else f"the node's other {len(hw.gpus) - 1} GPU(s) stay idle")]
-        if len(hw.gpus) > 1 else []) + (
+        [_devices_note(plan)] if plan.pipeline is not None or len(hw.gpus) > 1 else []) + (
         [f"cpu attention: moves {plan.cpu_attention_bytes_per_cache_byte:g} bytes per byte of KV cache it reads "
          f"(the tool this plan follows copies the cache first)"]
         if plan.cpu_attention_bytes_per_cache_byte != 1.0 else [])
@@ -191,24 +188,60 @@ def render_show(plan: Plan) -> str:
     return "\n\n".join(sections) + "\n"
 
 
+def _devices_note(plan: Plan) -> str:
+    """What the main part of a plan over several devices is (README, "Several GPUs")."""
+    if plan.pipeline is None:
+        return (f"note: the placement and schedule below are GPU 0 ({plan.hardware.gpus[0].name}) alone; "
+                f"the node's other {len(plan.hardware.gpus) - 1} GPU(s) stay idle")
+    s = plan.pipeline["stages"][0]
+    return (f"note: the placement and schedule below are the pipeline's first stage ({_device(s)}, layers "
+            f"{s['layers'][0]}-{s['layers'][1] - 1}) alone; the pipeline over the devices follows them")
+
+
+def _device(s: dict) -> str:
+    where = f"node {s['node']} " if s.get("node") is not None else ""
+    what = f"GPU {s['gpu']}" if s.get("gpu") is not None else "CPU"
+    return f"{where}{what}" + (f" ({s['device']})" if s.get("device") else "")
+
+
 def pipeline_section(plan: Plan) -> str:
-    """The stages over several GPUs, their links, and the pipeline's rates against GPU 0 alone."""
+    """The stages over several devices, their links, and the pipeline's rates against the best
+    single device."""
     pp = plan.pipeline
-    rows = [[f"GPU {s['gpu']} ({plan.hardware.gpus[s['gpu']].name})", f"{s['layers'][0]}-{s['layers'][1] - 1}",
+    rows = [[_device(s), f"{s['layers'][0]}-{s['layers'][1] - 1}",
              "/".join(str(s["weights"][t]) for t in ("gpu", "stream", "cpu")), format_bytes(s["gpu_bytes"]),
              format_seconds(s["ttft_s"]), format_seconds(s["tpot_s"])] for s in pp["stages"]]
-    rows += [[f"link {l['from_gpu']}->{l['to_gpu']} ({l['kind']})", "", "", "", format_seconds(l["prefill_s"]),
-              format_seconds(l["decode_s"])] for l in pp["links"]]
+    rows += [[f"link {_end(l, 'from')}->{_end(l, 'to')} ({l['kind']})", "", "", "",
+              format_seconds(l["prefill_s"]), format_seconds(l["decode_s"])] for l in pp["links"]]
     table = format_table(["stage", "layers", "blocks gpu/stream/cpu", "GPU mem", "TTFT", "TPOT"], rows,
                          right={3, 4, 5})
-    p, one = pp["predicted"], plan.predicted
-    return (f"pipeline over {len(pp['stages'])} of {len(plan.hardware.gpus)} GPUs (what hetplan exec runs, one "
-            f"process per stage; the rest of this plan is GPU 0 alone)\n{table}\n"
-            f"  TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])}: decode "
-            f"{p['decode_tokens_per_s']:.2f} tok/s ({p['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f}x GPU 0 "
-            f"alone), prefill {p['prefill_tokens_per_s']:.1f} tok/s "
-            f"({p['prefill_tokens_per_s'] / one['prefill_tokens_per_s']:.2f}x); with micro-batches in every stage "
-            f"{p['pipelined_decode_tokens_per_s']:.2f} tok/s")
+    p = pp["predicted"]
+    of = f" of {pp['devices']} devices" if pp.get("devices") else ""
+    net = pp.get("network")
+    lines = [f"pipeline over {len(pp['stages'])}{of}" + (
+        f" ({net['name']}: network {net['bytes_per_s'] / 1e9:.3g} GB/s, {net['latency_s'] * 1e6:.0f} us)"
+        if net else "") + " (plan.json's 'pipeline': the plan hetplan exec runs, one process per stage)", table,
+             f"  TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])}: decode "
+             f"{p['decode_tokens_per_s']:.2f} tok/s, prefill {p['prefill_tokens_per_s']:.1f} tok/s; with "
+             f"micro-batches in every stage {p['pipelined_decode_tokens_per_s']:.2f} tok/s"]
+    one = pp.get("single_device")
+    if one is not None:
+        ratio = one["objective_s"] / one["pipeline_objective_s"]
+        lines.append(f"  against the best single device: {ratio:.2f}x" if one["exact"] else
+                     f"  against any single device: at least {ratio:.2f}x (its lower bound)")
+    for name, b in sorted(pp.get("baselines", {}).items()):
+        lines.append(f"  {name}: " + (f"decode {b['decode_tokens_per_s']:.2f} tok/s, TTFT "
+                                      f"{format_seconds(b['ttft_s'])} (the pipeline "
+                                      f"{p['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x its decode)"
+                                      if b.get("fits") else "does not fit"))
+    return "\n".join(lines)
+
+
+def _end(l: dict, end: str) -> str:
+    node = l.get(f"{end}_node")
+    gpu = l.get(f"{end}_gpu")
+    return (f"{node}." if node is not None else "") + (str(gpu) if gpu is not None else "cpu")
+
 
 # -- compare table ---------------------------------------------------------------------------
 

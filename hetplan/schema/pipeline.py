@@ -1,7 +1,8 @@
-"""plan.json's ``pipeline``: the stages of a plan over several GPUs, their links and what the
-whole predicts (``hetplan.pipeline.PipelinePlan.to_dict`` writes it), and each stage's own
-single-GPU plan (``hetplan.pipeline.record``), made of the plan schema's own pieces. Strict like
-the rest of the plan schema; knows nothing about how the stages were chosen.
+"""plan.json's ``pipeline``: the stages of a plan over several GPUs (of one node, or of the
+nodes of a cluster), their links and what the whole predicts
+(``hetplan.pipeline.PipelinePlan.to_dict`` writes it), and each stage's own single-device plan
+(``hetplan.pipeline.record``), made of the plan schema's own pieces. Strict like the rest of the
+plan schema; knows nothing about how the stages were chosen.
 
 The pieces come from ``hetplan.schema.plan``, which imports this module after defining them;
 this module takes them at its end, so either may be imported first.
@@ -13,7 +14,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from hetplan.schema.fields import Bytes, Count, Seconds, Strict, TokenRate, count, quantity
+from hetplan.schema.fields import Bytes, Count, LinkRate, Seconds, Strict, TokenRate, count, quantity
+
+Name = Annotated[str, Field(max_length=500)]
 
 
 class StageTiers(Strict):
@@ -23,8 +26,10 @@ class StageTiers(Strict):
 
 
 class StagePlan(Strict):
-    """One stage's single-GPU plan, its layers numbered from 0; the model (its layer range), the
-    node (the stage's GPU alone) and the workload are the whole plan's."""
+    """One stage's single-device plan, its layers numbered from 0; the model (its layer range) and
+    the workload are the whole plan's."""
+    hardware: Hardware = Field(description="the single-device machine the stage was planned on (one GPU of "
+                               "its node alone, or its node's CPU)")
     solver: Solver = Field(description="how the stage's plan was found")
     placement: Annotated[list[Placement], Field(min_length=1)] = Field(description="one row per block of the stage")
     staging: Staging = Field(description="the stage's staging buffers")
@@ -48,7 +53,11 @@ class StagePlan(Strict):
 
 
 class PipelineStage(Strict):
-    gpu: count(1023) = Field(description="index into hardware.gpus")
+    gpu: count(1023) | None = Field(None, description="index into its node's GPUs (absent: the node's CPU, "
+                                    "on a node without a GPU)")
+    node: count(1023) | None = Field(None, description="index into the cluster's nodes (absent: 0, the node "
+                                     "planned for)")
+    device: Name | None = Field(None, description="the GPU's (or CPU's) name")
     layers: Annotated[list[Count], Field(min_length=2, max_length=2)] = Field(description="[first, end) layers")
     ttft_s: Seconds = Field(description="the stage's prefill time")
     tpot_s: Seconds = Field(description="the stage's decode time per token")
@@ -60,9 +69,12 @@ class PipelineStage(Strict):
 
 
 class PipelineLink(Strict):
-    from_gpu: count(1023) = Field(description="the stage handing on")
-    to_gpu: count(1023) = Field(description="the stage receiving")
-    kind: Literal["nvlink", "nvswitch", "pcie", "host"] = Field(description="the link between them")
+    from_gpu: count(1023) | None = Field(None, description="the stage handing on (absent: a CPU stage)")
+    to_gpu: count(1023) | None = Field(None, description="the stage receiving (absent: a CPU stage)")
+    from_node: count(1023) | None = Field(None, description="its node (absent: 0)")
+    to_node: count(1023) | None = Field(None, description="its node (absent: 0)")
+    kind: Literal["nvlink", "nvswitch", "pcie", "host", "network"] = Field(
+        description="the link between them (network: between two nodes)")
     prefill_s: Seconds = Field(description="the prompt's hidden state across it")
     decode_s: Seconds = Field(description="one token's hidden state across it")
 
@@ -77,16 +89,49 @@ class PipelinePredicted(Strict):
         description="batch / the slowest stage or link: micro-batches filling every stage")
 
 
+class PipelineNetwork(Strict):
+    name: Name = Field(description="the cluster's name")
+    bytes_per_s: LinkRate = Field(description="the network's bandwidth, each way")
+    latency_s: quantity("s", 1.0) = Field(description="one message's latency")
+
+
+class SingleDevice(Strict):
+    objective_s: Seconds = Field(description="the best single device's objective seconds (a lower bound "
+                                 "when not exact)")
+    exact: bool = Field(description="true: a solved plan's; false: a lower bound, too slow to compete")
+    pipeline_objective_s: Seconds = Field(description="the pipeline's, in the same seconds")
+
+
+class SplitBaseline(Strict):
+    fits: bool = Field(description="false: a stage does not fit with all its layers on its GPU (llama.cpp "
+                       "would fail to allocate)")
+    tensor_split: Annotated[list[quantity("fraction", 1.0)], Field(max_length=1024)] = Field(
+        description="cumulative fractions of free memory per device (llama.cpp's default --tensor-split)")
+    stages: Annotated[list[Annotated[list[Count], Field(min_length=3, max_length=3)]], Field(max_length=1024)] = \
+        Field(description="[device index, first, end) per stage")
+    ttft_s: Seconds | None = Field(None, description="predicted, when it fits")
+    tpot_s: Seconds | None = Field(None, description="predicted, when it fits")
+    decode_tokens_per_s: TokenRate | None = Field(None, description="batch / tpot")
+    prefill_tokens_per_s: TokenRate | None = Field(None, description="batch x prompt_len / ttft")
+
+
 class Pipeline(Strict):
     objective: Literal["sum", "max"] = Field(description="sum (stages in turn) or max (the slowest)")
     stages: Annotated[list[PipelineStage], Field(min_length=1, max_length=1024)] = Field(
         description="contiguous layer ranges, in order")
     links: Annotated[list[PipelineLink], Field(max_length=1023)] = Field(description="between consecutive stages")
     predicted: PipelinePredicted = Field(description="what the pipeline should achieve")
+    model: Model | None = Field(None, description="the whole model the stages cut (the plan's own `model` is "
+                                "its first stage's layers); absent: the plan's own")
+    devices: count(1 << 20) | None = Field(None, description="devices the stages were chosen from")
+    network: PipelineNetwork | None = Field(None, description="between the nodes of a cluster")
+    single_device: SingleDevice | None = Field(None, description="the whole model on the best single device")
+    baselines: dict[Annotated[str, Field(max_length=100)], SplitBaseline] | None = Field(
+        None, description="other engines' splits over the same devices, priced by the same cost model")
 
 
 # the plan schema's pieces a stage's plan is made of (see the module docstring)
-from hetplan.schema.plan import Memory, Placement, Predicted, Schedule, Solver, Staging  # noqa: E402,F401
+from hetplan.schema.plan import Hardware, Memory, Model, Placement, Predicted, Schedule, Solver, Staging  # noqa: E402,F401
 
 for _model in (StagePlan, PipelineStage, Pipeline):
     _model.model_rebuild()

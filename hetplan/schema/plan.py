@@ -351,8 +351,8 @@ class Inputs(Strict):
 
 
 # after the pieces a stage's own plan is made of (pipeline.stages[].plan)
-from hetplan.schema.pipeline import (Pipeline, PipelineLink, PipelinePredicted, PipelineStage,  # noqa: E402
-                                     StagePlan, StageTiers)
+from hetplan.schema.pipeline import (Pipeline, PipelineLink, PipelineNetwork, PipelinePredicted,  # noqa: E402
+                                     PipelineStage, SingleDevice, SplitBaseline, StagePlan, StageTiers)
 
 
 class PlanFile(Strict):
@@ -371,7 +371,8 @@ class PlanFile(Strict):
     cpu_attention_bytes_per_cache_byte: quantity("bytes/byte", 64.0, 1.0) = Field(
         1.0, description="DRAM bytes a CPU decode attention moves per KV byte read (written when not 1)")
     pipeline: Pipeline | None = Field(None, description="the stages over several GPUs (written for a node "
-                                      "with several); the rest of the file is the single-GPU plan of GPU 0")
+                                      "with several, or a cluster): the plan to run; the rest of the file is "
+                                      "its first stage's own plan")
     serving: Serving | None = Field(None, description="what `compile --serve` decided for `hetplan serve`")
 
     @model_validator(mode="after")
@@ -402,6 +403,8 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("pipeline", Pipeline), ("pipeline.stages[]", PipelineStage), ("pipeline.stages[].weights", StageTiers),
             ("pipeline.stages[].plan", StagePlan),
             ("pipeline.links[]", PipelineLink), ("pipeline.predicted", PipelinePredicted),
+            ("pipeline.network", PipelineNetwork), ("pipeline.single_device", SingleDevice),
+            ("pipeline.baselines.*", SplitBaseline),
             ("serving", Serving), ("serving.slo", ServingSlo), ("serving.curve[]", ServingPoint),
             ("inputs.cli_args.routing", Routing))
 """Where each model sits in a plan, for the README's key table (``a, b``: both places)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetplan.errors import HetplanError
-from hetplan.pipeline.record import stage_plan
+from hetplan.pipeline.record import stage_plan, whole_model
 from hetplan.plan import Plan
 from hetplan.runtime.distributed.part import stage_part
 from hetplan.runtime.distributed.stage import StageRunner
@@ -63,7 +63,7 @@ class PipelineResult:
 def wire_dtype(plan: Plan) -> torch.dtype:
     """The dtype of the hidden state between stages: the weights' (fp32 for quantised ones, which
     a CUDA stage computes in bf16 and a CPU one in fp32)."""
-    w = plan.model.weight_dtype
+    w = whole_model(plan).weight_dtype
     return torch.float32 if quant.is_quantised(w) else torch_dtype(w, "--weight-dtype")
 
 
@@ -71,13 +71,13 @@ def stage_device(plan: Plan, rank: int, emulate: bool | None) -> tuple[str, int]
     """(mode, CUDA device index) of stage ``rank`` on this machine; a stage on a GPU this machine
     does not have is refused."""
     st = plan.pipeline["stages"][rank]
-    part = stage_plan(plan, rank)
-    mode = choose_mode(part, emulate)
-    if mode == "cuda" and st["gpu"] >= torch.cuda.device_count():
-        raise HetplanError(f"stage {rank}: the plan runs it on GPU {st['gpu']}, but this machine has "
+    mode = choose_mode(stage_plan(plan, rank), emulate)
+    gpu = st.get("gpu")
+    if mode == "cuda" and (gpu or 0) >= torch.cuda.device_count():
+        raise HetplanError(f"stage {rank}: the plan runs it on GPU {gpu}, but this machine has "
                            f"{torch.cuda.device_count()} CUDA device(s); run it on a node with that GPU, or "
                            f"pass --emulate")
-    return mode, st["gpu"]
+    return mode, gpu or 0
 
 
 class PreparedStage:
@@ -88,7 +88,7 @@ class PreparedStage:
         self.plan, self.rank, self.opts, self.mode = plan, rank, opts, mode
         self.world, self.name = len(stages), f"stage {rank}"
         self.first_layer, self.end_layer = stages[rank]["layers"]
-        spec, wl = plan.model, plan.workload
+        spec, wl = whole_model(plan), plan.workload
         self.part = stage_part(stage_plan(plan, rank), spec, self.first_layer, self.end_layer)
         source = weight_source(opts.weights, opts.seed, spec)
         self.ids, self.tokenizer = resolve_prompt(opts, source, spec, wl)
@@ -108,9 +108,9 @@ class PreparedStage:
         plan, rank, world = self.plan, self.rank, self.world
         st = plan.pipeline["stages"][rank]
         try:
-            ring = _Ring(self.runner, peers, rank, world, plan.model.hidden, wire_dtype(plan), self.opts)
+            ring = _Ring(self.runner, peers, rank, world, whole_model(plan).hidden, wire_dtype(plan), self.opts)
             run = ring.generate(self.ids, self.gen_len, progress)
-            mine = {"rank": rank, "gpu": st["gpu"], "layers": [self.first_layer, self.end_layer], "mode": self.mode,
+            mine = {"rank": rank, "gpu": st.get("gpu"), "layers": [self.first_layer, self.end_layer], "mode": self.mode,
                     "busy_prefill_s": run["busy_prefill_s"], "busy_decode_s": run["busy_decode_s"],
                     "predicted_ttft_s": st["ttft_s"], "predicted_tpot_s": st["tpot_s"],
                     "peak_bytes": self.runner.devices.peak_bytes(),

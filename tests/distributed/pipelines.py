@@ -11,13 +11,10 @@ import transformers
 
 from hetplan import cost
 from hetplan.compiler import CompileRequest, stage_solver
-from hetplan.evaluate import make_plan
 from hetplan.frontends.resolve import load_model
 from hetplan.hardware import load_node
 from hetplan.pipeline import PipelinePlan, StagePlan, hidden_bytes, stage_problem
 from hetplan.plan import Plan, load_plan
-from hetplan.problem import build_problem
-from hetplan.solvers import baselines
 from hetplan.workload import Workload
 
 N_LAYERS, VOCAB = 4, 128
@@ -50,7 +47,7 @@ def save_llama(directory) -> transformers.PreTrainedModel:
 
 
 def pipeline_plan(model_dir, node_path, cuts: list, strategies: list, wl: Workload, out_path) -> Plan:
-    """The plan of ``model_dir`` for GPU 0 alone, with a pipeline of one stage per GPU: stage ``k``
+    """The plan of ``model_dir`` as a pipeline of one stage per GPU: stage ``k``
     holds layers ``[cuts[k], cuts[k + 1])`` and is planned by ``strategies[k]`` (``all-gpu``,
     ``stream``, ``ngl:N`` ...); written to ``out_path`` and read back (schema checked)."""
     spec, hw = load_model(str(model_dir), "fp32"), load_node(str(node_path))
@@ -65,11 +62,9 @@ def pipeline_plan(model_dir, node_path, cuts: list, strategies: list, wl: Worklo
                    "prefill_s": cost.peer_seconds(hidden_bytes(spec, wl, "prefill"), hw, s.gpu, t.gpu),
                    "decode_s": cost.peer_seconds(hidden_bytes(spec, wl, "decode"), hw, s.gpu, t.gpu)}
                   for s, t in zip(stages, stages[1:]))
-    pp = PipelinePlan(tuple(stages), links, wl, "sum")
-    problem = build_problem(spec, hw.single_gpu(0), wl)
-    whole = make_plan(problem, baselines.all_gpu(problem),
-                      {"strategy": "all-gpu", "status": "heuristic", "mip_gap": None, "options": {}})
-    whole = dataclasses.replace(whole, hardware=hw, pipeline=pp.to_dict())
+    pp = PipelinePlan(tuple(stages), links, wl, "sum", model=spec)
+    # as hetplan compile writes it: the main part is the first stage's own plan
+    whole = dataclasses.replace(stages[0].plan, pipeline=pp.to_dict())
     out_path.write_text(whole.to_json())
     return load_plan(out_path)
 

@@ -65,7 +65,7 @@ def test_stage_processes_compute_what_transformers_computes(llama, case, tmp_pat
     assert [s["layers"] for s in result.stages] == [[a, b] for a, b in zip(cuts, cuts[1:])]
     assert all(s["busy_decode_s"] > 0 for s in result.stages)
     # each process holds its own blocks only: at most its stage's planned bytes, in each tier
-    model_weights = sum(p["weight_bytes"] for p in plan.placement)
+    model_weights = sum(p["weight_bytes"] for st in plan.pipeline["stages"] for p in st["plan"]["placement"])
     for s in result.stages:
         assert s["peak_bytes"]["gpu"] <= s["planned_bytes"]["gpu"]
         assert s["peak_bytes"]["cpu"] <= s["planned_bytes"]["cpu"]

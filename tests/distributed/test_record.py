@@ -11,7 +11,8 @@ import pytest
 from hetplan.canonical import rounded
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError
-from hetplan.pipeline.record import STAGE_KEYS, stage_plan
+from hetplan.cluster import load_hardware
+from hetplan.pipeline.record import STAGE_KEYS, stage_plan, whole_model
 from hetplan.plan import Plan
 from hetplan.plan.format import PhaseSchedule, Task
 from hetplan.runtime.distributed.part import stage_part, without_blocks
@@ -36,12 +37,13 @@ def test_each_stage_records_the_plan_its_planner_made(compiled):
     from hetplan.compiler import stage_solver
     loaded = Plan.from_json(compiled.to_json())
     assert len(loaded.pipeline["stages"]) >= 2
-    pp = plan_pipeline(compiled.model, compiled.hardware, compiled.workload,
-                       stage_solver(CompileRequest(model="x", hw="x")), "sum")
+    whole, node = whole_model(loaded), load_hardware(compiled.inputs["hw_source"])
+    pp = plan_pipeline(whole, node, compiled.workload,
+                       stage_solver(CompileRequest(model="x", hw="x"), moe_stages=True), "sum")
     for i, st in enumerate(pp.stages):
         got = stage_plan(loaded, i)
         assert got.model.n_layers == st.end_layer - st.first_layer
-        assert got.hardware.gpus == (compiled.hardware.gpus[st.gpu],)
+        assert got.hardware.gpus == (node.gpus[st.gpu],)
         want = rounded(st.plan.to_dict())
         assert {k: rounded(got.to_dict())[k] for k in STAGE_KEYS} == {k: want[k] for k in STAGE_KEYS}
 
@@ -73,10 +75,10 @@ def test_a_pipeline_written_without_stage_plans_is_refused_by_exec(compiled):
 
 def test_middle_stages_run_without_embedding_or_head_and_with_their_layers_in_the_model(compiled):
     stages = compiled.pipeline["stages"]
-    L = compiled.model.n_layers
+    L = whole_model(compiled).n_layers
     for i, st in enumerate(stages):
         a, b = st["layers"]
-        part = stage_part(stage_plan(compiled, i), compiled.model, a, b)
+        part = stage_part(stage_plan(compiled, i), whole_model(compiled), a, b)
         blocks = {p["block"] for p in part.placement}
         assert ("embed" in blocks) == (a == 0) and ("head" in blocks) == (b == L)
         assert sorted(p["layer"] for p in part.placement if p["layer"] is not None) == \
@@ -106,3 +108,23 @@ def test_a_pipeline_result_is_comparable_only_without_emulated_stages():
     base = dict(tokens=[[1]], text=None, measured={}, predicted={}, stages=[])
     assert PipelineResult(modes=["cuda", "cpu"], **base).comparable
     assert not PipelineResult(modes=["cuda", "emulated"], **base).comparable
+
+
+def test_a_compiled_pipeline_runs_as_its_stage_processes_and_matches_transformers(compiled, llama_files):
+    """What ``hetplan compile`` wrote (the main part the first stage's layers, the whole model in
+    ``pipeline.model``) runs as one process per stage and decodes transformers' greedy tokens."""
+    import torch
+    from hetplan.runtime.distributed.launch import run_pipeline
+    from hetplan.runtime.session import RunOptions
+
+    model_dir, _, model = llama_files
+    assert compiled.model.n_layers < whole_model(compiled).n_layers
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+    opts = RunOptions(weights=str(model_dir), prompt_ids=tuple(ids.tolist()), gen_len=6, emulate=True)
+    result = run_pipeline(compiled, opts, timeout_s=60)
+    assert result.tokens == want[:, 16:].tolist()
+    assert [s["layers"] for s in result.stages] == [st["layers"] for st in compiled.pipeline["stages"]]

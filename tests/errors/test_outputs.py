@@ -80,7 +80,7 @@ def test_a_bug_is_exit_3_with_one_line_and_a_hint_to_report_it(monkeypatch, caps
     assert "internal error: ZeroDivisionError: boom" in err and "report" in err
 
 
-def test_a_two_gpu_node_plans_a_pipeline_beside_the_first_gpu_alone(tmp_path, monkeypatch, capsys):
+def test_a_two_gpu_node_plans_a_pipeline_whose_first_stage_is_the_main_part(tmp_path, monkeypatch, capsys):
     populate(tmp_path)
     two = NODE.replace("gpus:\n", "gpus:\n  - {name: second, memory: 2GiB, mem_bandwidth: 100GB/s, "
                                   "flops: {fp32: 10TFLOPS}}\n")
@@ -88,10 +88,10 @@ def test_a_two_gpu_node_plans_a_pipeline_beside_the_first_gpu_alone(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     code, out, err = run(["compile", "config.json", "--hw", "two.yaml", "-o", "p.json"], capsys)
     assert code == 0, err
-    assert "2 GPUs" in err and "pipeline over" in out and "GPU 0 alone" in out
+    assert "of 2 devices" in err and "pipeline over" in out and "its first stage alone" in out
     code, out, _ = run(["show", "p.json"], capsys)
-    assert "are GPU 0 (second) alone; the pipeline over the node's GPUs follows" in out
-    assert "pipeline over" in out and "GPU 0 (second)" in out
+    assert "are the pipeline's first stage (GPU 0 (second), layers" in out
+    assert "pipeline over" in out and "GPU 0 (second)" in out and "llama.cpp --split-mode layer" in out
 
 
 def test_summary_names_the_dtype_and_batch(tmp_path, monkeypatch, capsys):

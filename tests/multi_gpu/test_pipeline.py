@@ -109,3 +109,35 @@ def test_the_throughput_pipeline_minimises_its_slowest_stage():
         if a is not None and b is not None:
             slowest[s] = max(a.predicted["tpot_s"], b.predicted["tpot_s"], decode_link)
     assert 1 / pp.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(min(slowest.values()), rel=1e-9)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_cheap_stage_bound_never_exceeds_the_solved_stage(moe):
+    from hetplan.pipeline.bounds import StageBound
+
+    extra = dict(n_experts=4, experts_per_token=2, moe_intermediate=128, first_dense_layers=1) if moe else {}
+    spec = tiny_spec(n_layers=4, **extra)
+    for gpu_mib in (2, 3, 100):
+        hw = two_gpus(gpu_mib / 1024)
+        bound = StageBound(spec, hw.single_gpu(0), WL)
+        for a in range(4):
+            for b in range(a + 1, 5):
+                plan = SOLVE(stage_problem(spec, hw, WL, 0, a, b))
+                if plan is None:
+                    continue
+                prefill, decode = bound(a, b)
+                assert prefill <= plan.predicted["ttft_s"] * (1 + 1e-9), (gpu_mib, a, b)
+                assert decode <= plan.predicted["tpot_s"] * (1 + 1e-9), (gpu_mib, a, b)
+
+
+def test_gpu_mem_sets_each_gpu_budget_and_refuses_a_gpu_that_is_not_there():
+    from hetplan.errors import HetplanError
+    from hetplan.pipeline.compile import with_gpu_budgets
+
+    hw = dataclasses.replace(two_gpus(1), gpu_reserve_bytes=1 << 20)
+    got = with_gpu_budgets(hw, "0=100MiB, 1=200MiB")
+    assert [g.memory_bytes - (1 << 20) for g in got.gpus] == [100 << 20, 200 << 20]
+    assert [g.memory_bytes for g in with_gpu_budgets(hw, "300MiB").gpus] == [(300 << 20) + (1 << 20)] * 2
+    for bad, says in [("2=1GiB", "no GPU 2"), ("x=1GiB", "cannot read 'x'"), ("0=2GiB", "more than")]:
+        with pytest.raises(HetplanError, match=says):
+            with_gpu_budgets(hw, bad)

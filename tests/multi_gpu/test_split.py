@@ -101,3 +101,38 @@ def test_the_branch_and_bound_leaves_splits_unpriced_and_still_finds_the_best():
     assert len(solved) < 2 * 39 + 1  # a full scan: 39 first stages, 39 last stages, one whole
     assert split.cost_s == pytest.approx(brute_force(40, 2, stage, lambda j, k: 0.25, "sum"))
     assert split.cost_s == pytest.approx(40.25)
+
+
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(30))
+def test_a_cheap_lower_bound_and_a_seed_split_leave_the_dp_exact(seed, objective):
+    rng = random.Random(1000 + seed)
+    L, K = rng.randint(1, 7), rng.randint(1, 4)
+    stage, link = monotone_costs(rng, L, K)
+    shrink = {}
+
+    def lower(k, a, b):  # any value <= the stage's price, fixed per stage
+        return stage(k, a, b) * shrink.setdefault((k, a, b), rng.choice([0.0, 0.5, 0.9, 1.0]))
+
+    first = rng.randint(1, L)
+    seed_split = ((0, 0, L),) if first == L or K == 1 else ((0, 0, first), (K - 1, first, L))
+    split = best_split(L, K, stage, link, objective, lower, seed_split)
+    want = brute_force(L, K, stage, link, objective)
+    if want == math.inf:
+        assert split is None
+        return
+    assert split.cost_s == pytest.approx(want, rel=1e-12)
+
+
+def test_llama_cpp_splits_layer_slots_by_cumulative_free_memory():
+    from hetplan.solvers.split_mode import layer_stages, tensor_split
+
+    assert tensor_split([1, 3]) == [0.25, 1.0]
+    # 4 layers + the output slot = 5 slots; slot il goes to the first device with split > il / 5:
+    # 0/5 and 1/5 < 0.25 -> device 0; 2/5, 3/5 (and the output, 4/5) -> device 1
+    assert layer_stages(4, [1, 3]) == ((0, 0, 2), (1, 2, 4))
+    # two equal cards, 80 layers: 81 slots, il / 81 < 0.5 for il <= 40 -> 41 layers on the first
+    assert layer_stages(80, [23, 23]) == ((0, 0, 41), (1, 41, 80))
+    # slot 0 (0 / 3) goes to the first device with any share; one with none gets no stage
+    assert layer_stages(2, [1, 100, 1]) == ((0, 0, 1), (1, 1, 2))
+    assert layer_stages(2, [0, 1]) == ((1, 0, 2),)

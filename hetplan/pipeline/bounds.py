@@ -1,0 +1,101 @@
+"""A cheap lower bound on a stage's seconds, so that the stage DP prices (solves) few stages.
+
+A stage of layers ``[a, b)`` on a device reads the bytes and computes the FLOPs of its blocks
+(the embedding when ``a == 0``, the head when ``b == n_layers``) in each phase. Whatever its
+placement, it cannot beat the physical bound of ``hetplan.bounds.work_lower_bound_s`` on
+those totals with the device's whole GPU budget as the resident cap (the stage's workspace and
+KV left out: a larger cap only weakens the bound). Nor can it beat its *chain* bound: a
+decode step (and a prompt prefilled in one chunk) is a chain, each stage of a block starting
+after the one before it ends, so it takes at least the sum over its stages of the faster of
+the stage's GPU and CPU times (an MoE stage, which may split its experts between the two
+devices and run both halves at once, at least its own physical bound). A prompt in several
+chunks may overlap chunks on the two devices, so its prefill keeps the physical bound alone.
+And a decode step of an MoE stage reads its routed experts' expected bytes (``wbytes``): HBM
+holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of all the others
+(the coldest, when the hottest are resident) come from DRAM through the CPU or over the link,
+``t >= cold / (bw_cpu + bw_h2d)`` (every MoE layer routed alike, as without a routing profile);
+the MoE stages of the chain take at least that together, the other stages their own times
+besides: ``t >= chain_dense + max(chain_moe, cold / (bw_cpu + bw_h2d))``.
+The totals come from prefix sums over one whole-model problem per kind of device, so a bound
+costs a few additions. Knows nothing about how stages are chosen or solved.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+from hetplan.bounds import work_lower_bound_s
+from hetplan.hardware import HardwareSpec
+from hetplan.model import ModelSpec
+from hetplan.problem import build_problem
+from hetplan.workload import Workload
+
+PHASES = ("prefill", "decode")
+
+
+class StageBound:
+    """``bound(a, b)`` -> (prefill seconds, decode seconds), each a lower bound for any plan of
+    layers ``[a, b)`` on ``hw`` (a single-device machine)."""
+
+    def __init__(self, spec: ModelSpec, hw: HardwareSpec, wl: Workload):
+        problem = build_problem(spec, hw, wl)
+        L = spec.n_layers
+        position = {b.name: (0 if b.kind == "embed" else L + 1 if b.kind == "head" else b.layer + 1)
+                    for b in problem.graph.blocks}
+        self.spec, self.hw, self.n_layers = spec, hw, L
+        self.cap = problem.gpu_budget_bytes
+        self.prefix = {}
+        for phase in PHASES:
+            nbytes, flops, chain, moe = ([0.0] * (L + 2) for _ in range(4))
+            for sc in problem.stages[phase]:
+                st = sc.stage
+                nbytes[position[st.block]] += st.work.bytes
+                flops[position[st.block]] += st.work.flops
+                (moe if st.kind == "moe" else chain)[position[st.block]] += self._chain_s(sc, problem)
+            if phase == "prefill" and wl.n_chunks > 1:
+                chain, moe = [0.0] * (L + 2), [0.0] * (L + 2)
+            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe))
+        layers = problem.experts.get("decode", {})
+        alike = len({(e.wbytes, e.expert_bytes) for e in layers.values()}) == 1
+        self.moe = [0] * (L + 2)
+        for name in layers if alike else ():
+            self.moe[position[name]] += 1
+        self.moe = list(accumulate(self.moe, initial=0))
+        self.experts = next(iter(layers.values())) if alike else None
+
+    def _chain_s(self, sc, problem) -> float:
+        """The least time stage ``sc`` can take on this device: the faster of GPU and CPU (the
+        CPU alone on a machine without a GPU); an MoE stage at most its physical bound."""
+        fastest = min(sc.gpu_s, sc.cpu_s) if problem.has_gpu else sc.cpu_s
+        if sc.stage.kind == "moe":
+            work = sc.stage.work
+            fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap))
+        return fastest
+
+    def phase_s(self, phase: str, a: int, b: int) -> float:
+        """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
+        first, end = (0 if a == 0 else a + 1), (b + 2 if b == self.n_layers else b + 1)
+        nbytes, flops, chain, moe = self.prefix[phase]
+        cold = self.cold_experts_s(first, end) if phase == "decode" else 0.0
+        return max(chain[end] - chain[first] + max(moe[end] - moe[first], cold),
+                   work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
+                                      self.cap))
+
+    def cold_experts_s(self, first: int, end: int) -> float:
+        """Decode: the expected bytes of the experts HBM cannot hold, over DRAM and the link."""
+        e, hw = self.experts, self.hw
+        if e is None or hw.gpu is None:
+            return 0.0
+        n_moe = self.moe[end] - self.moe[first]
+        held = int(self.cap // e.expert_bytes) if e.expert_bytes > 0 else 0
+        # every layer's experts alike: the hottest rank of each layer first, then the next, ...
+        cold, left = 0.0, held
+        for w in sorted(e.wbytes, reverse=True):
+            resident = min(n_moe, left)
+            left -= resident
+            cold += (n_moe - resident) * w
+        eff = hw.efficiency
+        return cold / (hw.cpu.mem_bytes_per_s * eff["cpu_mem"] + hw.h2d_bytes_per_s * eff["link"])
+
+    def __call__(self, a: int, b: int) -> tuple:
+        return self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
