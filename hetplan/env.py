@@ -15,8 +15,9 @@ from hetplan.errors import HetplanError
 SWITCHES = {
     "HETPLAN_TRACEBACK": "print the traceback of an internal error (default 0)",
     "HETPLAN_NATIVE_KERNELS": "use the native quantised kernels (default 1)",
-    "HETPLAN_CPU_16BIT": "compute 16-bit weights on the CPU without upcasting (default 1)",
-    "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel (default 0: not yet faster than the fp32 tiles)",
+    "HETPLAN_CPU_16BIT": "decode 16-bit weights with torch's 16-bit GEMV where the CPU has native 16-bit arithmetic "
+                         "(default 0: the native kernel upcasting per block, faster at decode)",
+    "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI is)",
     "HETPLAN_INT8_DECODE": "multiply decode activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI is)",
 }
 PATHS = {"HETPLAN_CACHE": "the folder native kernels are built into (default ~/.cache/hetplan)"}

@@ -10,17 +10,19 @@ it runs:
   it off), x is quantised per block of 32 as q8_0 is and each block's dot product taken in int8
   (``qdecode.h``; the same activation-rounding bound as int8 prefill, below); otherwise each
   block of 32 weights is dequantised in registers and multiplied in fp32 (exact against the
-  dequantised weights). Either reads each weight byte once per step. For more rows (prefill), with
-  ``HETPLAN_INT8_PREFILL=1`` on a CPU with AVX-512 VNNI, x is quantised per block of 32 as q8_0 is and each block multiplied in
-  int8 (quantising x moves an output by at most sum over blocks b of
-  (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation), and otherwise (the default)
-  a tile of about 1 MiB of weights is dequantised into cache and multiplied by torch's GEMM.
+  dequantised weights). Either reads each weight byte once per step. For more rows (prefill), on
+  a CPU with AVX-512 VNNI (``HETPLAN_INT8_PREFILL=0`` turns it off), x is quantised per block of
+  32 as q8_0 is and each block multiplied in int8 (quantising x moves an output by at most sum
+  over blocks b of (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation); otherwise a
+  tile of about 1 MiB of weights is dequantised into cache and multiplied by torch's GEMM.
+  The kernels' parallel regions run on torch's intra-op (OpenMP) threads.
 - a packed weight elsewhere (CUDA), or where the native kernel did not build: the same tiling
   in torch, a tile of ``TILE_ELEMS`` weights dequantised (``quant.dequantise_rows``) and
   multiplied at a time, never the whole weight.
-- a bf16/fp16 tensor on a CPU without native 16-bit arithmetic (no AVX512-BF16 / AVX512-FP16,
-  ``cpu_has_16bit``) with up to 8 rows of x: the native kernel, upcasting each block of 32 in
-  registers (decode near the bandwidth bound); otherwise ``F.linear``.
+- a bf16/fp16 tensor on the CPU with up to 8 rows of x: the native kernel, upcasting each block
+  of 32 in registers (decode near the bandwidth bound; on a 2-core AVX512-BF16 EPYC 2.7x faster
+  than torch's bf16 GEMV), unless ``HETPLAN_CPU_16BIT=1`` asks for torch's on a CPU with native
+  16-bit arithmetic (``cpu_has_16bit``); otherwise ``F.linear``.
 - an fp32 tensor on the CPU with up to 8 rows of x: the native kernel's fp32 GEMV (torch's
   reads at about half the DRAM stream on 2 cores); otherwise ``F.linear``.
 
@@ -124,13 +126,13 @@ def _tiled(x: torch.Tensor, fmt: str, cols: int, seg: tuple) -> torch.Tensor:
 
 
 def int8_prefill() -> bool:
-    """Whether the native kernel multiplies prefill-sized x in int8: it was built with AVX-512
-    VNNI (``has_int8``) and ``HETPLAN_INT8_PREFILL=1`` asks for it. Off by default: on an idle
-    2-core AVX-512 EPYC it ran at 0.62-0.86x the fp32 tiles at 512 rows (``bench/quant_kernels.py``,
-    bench/RESULTS.md), so it is not yet the faster path."""
+    """Whether the native kernel multiplies prefill-sized x on packed weights in int8: it was
+    built with AVX-512 VNNI (``has_int8``) and ``HETPLAN_INT8_PREFILL`` is not 0. On by default:
+    1.7-2.0x the fp32 tiles' prefill of 512 tokens on a 2-core AVX-512 EPYC (bench/RESULTS.md),
+    at the cost of the activation-rounding bound."""
     from hetplan.env import switch
     mod = native.module()
-    return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_PREFILL", False)
+    return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_PREFILL", True)
 
 
 def int8_decode() -> bool:
@@ -148,9 +150,10 @@ _CPU_16BIT: dict = {}
 
 def cpu_has_16bit(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies ``dtype`` natively (AVX512-BF16 for bf16, AVX512-FP16 for
-    fp16; ``HETPLAN_CPU_16BIT=0`` answers no, to run the upcasting kernel)."""
+    fp16), when ``HETPLAN_CPU_16BIT=1`` asks for torch's 16-bit GEMV there (default: no, the
+    upcasting kernel runs)."""
     from hetplan.env import switch
-    if not switch("HETPLAN_CPU_16BIT", True):
+    if not switch("HETPLAN_CPU_16BIT", False):
         return False
     if dtype not in _CPU_16BIT:
         flags = set(native.cpu_flags().split())

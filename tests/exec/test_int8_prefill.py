@@ -7,9 +7,8 @@ qx = round(x / dx)) moves x by at most dx / 2 per value, so each output may move
 sum over blocks b of (max|x_b| / 254) * sum_{k in b} |w_k| (derived here, not taken from the
 kernel), plus fp32 accumulation (1e-5 of sum |x||w|). Where x is already exact in that grid
 (integers in a block whose largest magnitude is 127, times a power of two) nothing may move but
-fp32 accumulation. The prefill path is taken with ``HETPLAN_INT8_PREFILL=1`` (off by default: not yet faster than the fp32
-tiles); with ``0`` (as on a CPU without VNNI) the fp32 tile path runs and meets the fp32 bound
-alone. The decode path is on by default (``HETPLAN_INT8_DECODE``); with ``0`` the fp32 kernel
+fp32 accumulation. The prefill path is on by default (``HETPLAN_INT8_PREFILL``); with ``0`` (as on a CPU without
+VNNI) the fp32 tile path runs and meets the fp32 bound alone. The decode path is on by default (``HETPLAN_INT8_DECODE``); with ``0`` the fp32 kernel
 runs (``test_quant_kernels``, exact against the dequantised weights).
 """
 

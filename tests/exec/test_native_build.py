@@ -52,3 +52,16 @@ def test_a_library_that_does_not_import_is_not_used(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"
+
+
+def test_the_kernels_parallel_regions_run_on_torchs_threads(built):
+    """Built without OpenMP, ``at::parallel_for`` in the library runs its range on the calling
+    thread alone: every kernel would use one core whatever ``torch.set_num_threads`` says."""
+    import torch
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert native.module().parallel_threads(1024) == n
+    finally:
+        torch.set_num_threads(before)

@@ -96,6 +96,7 @@ def dequantised_model(model, spec, fmt):
 def test_logits_match_transformers_with_dequantised_weights(monkeypatch, setup, family, fmt):
     """The fp32 kernels (x multiplied in int8 has its own bound: ``test_int8_prefill``)."""
     monkeypatch.setenv("HETPLAN_INT8_DECODE", "0")
+    monkeypatch.setenv("HETPLAN_INT8_PREFILL", "0")
     d, models = setup
     plan = compiled(d, family, fmt)
     result = run_plan(plan, RunOptions(weights=str(d / family), prompt_ids=PROMPT, gen_len=GEN_LEN,

@@ -24,7 +24,7 @@ SOURCE = Path(__file__).with_name("qmatmul.cpp")
 HEADERS = (Path(__file__).with_name("qint8.h"), Path(__file__).with_name("qdecode.h"))
 """Files ``SOURCE`` includes: part of the build key, copied beside it."""
 NAME = "hetplan_qmatmul"
-BUILD_SCHEME = b"source copied into the build directory"
+BUILD_SCHEME = b"source copied into the build directory; OpenMP"
 """Part of the build directory's key: builds made another way are not reused."""
 _state: dict = {}
 
@@ -67,7 +67,8 @@ def module():
             _copy(original, where / original.name)
         source = where / SOURCE.name
         mod = cpp_extension.load(name=NAME, sources=[str(source)], build_directory=str(where),
-                                 extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"], verbose=False)
+                                 extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                                 extra_ldflags=["-fopenmp"], verbose=False)
         _state.update(module=mod, why=None)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs instead
         _state.update(module=None, why=f"the native kernel did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})")

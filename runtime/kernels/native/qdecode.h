@@ -121,13 +121,15 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
         dw = _mm512_set1_ps(*reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]));
       } else {
         const uint8_t* d = FMT == Q4_K_M ? r.p[1] + n * r.stride[1] : r.p[0] + n * r.stride[0];
-        dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, d + 32 * c));
+        const void* at = d + 32 * c;   // plain loads where the chunk is whole (masked ones stall streaming)
+        dw = _mm512_cvtph_ps(here >= 16 ? _mm256_loadu_si256(static_cast<const __m256i*>(at)) : _mm256_maskz_loadu_epi16(bm, at));
       }
       if (FMT == Q4_K_M) {
         const float* dmin = reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
         const float hi = 16 * c + 8 < nbw ? dmin[2 * c + 1] : 0.f;
         const __m512 vmin = _mm512_insertf32x8(_mm512_set1_ps(dmin[2 * c]), _mm256_set1_ps(hi), 1);
-        const __m128i mb = _mm_maskz_loadu_epi8(bm, r.p[2] + n * r.stride[2] + 16 * c);
+        const uint8_t* mp = r.p[2] + n * r.stride[2] + 16 * c;
+        const __m128i mb = here >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(mp)) : _mm_maskz_loadu_epi8(bm, mp);
         mw = _mm512_mul_ps(vmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mb)));
       }
       __m512 dd[M];
@@ -139,8 +141,10 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
       for (int gi = 0; gi < groups; ++gi) {
         const int64_t g = 4 * c + gi, at = g * gbytes;
         if (signed_w) {
-          const __m512i a = _mm512_maskz_loadu_epi8(first_bytes(vbytes - at), w + at);
-          const __m512i b = _mm512_maskz_loadu_epi8(first_bytes(vbytes - at - 64), w + at + 64);
+          const bool whole = at + 128 <= vbytes;   // plain loads where the group is whole
+          const __m512i a = whole ? _mm512_loadu_si512(w + at) : _mm512_maskz_loadu_epi8(first_bytes(vbytes - at), w + at);
+          const __m512i b = whole ? _mm512_loadu_si512(w + at + 64)
+                                  : _mm512_maskz_loadu_epi8(first_bytes(vbytes - at - 64), w + at + 64);
           const __m512i na = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, a));
           const __m512i nb = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, b));
           for (int m = 0; m < M; ++m) {

@@ -434,9 +434,20 @@ torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<st
   return y;
 }
 
+// How many threads one of this library's parallel regions runs on over n items (grain 1): the
+// threads torch.set_num_threads gives it when the library is built with OpenMP, 1 otherwise.
+int64_t parallel_threads(int64_t n) {
+  std::vector<std::atomic<int>> seen(64);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[std::min<int64_t>(63, at::get_thread_num())] = 1; });
+  int64_t count = 0;
+  for (auto& s : seen) count += s.load();
+  return count;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "y = x @ W^T, W packed (format id, K, row arrays, int8)");
   m.def("matmul_cat", &matmul_cat, "y = x @ [W_1; W_2; ...]^T, each W packed (format id, K, row arrays of each, int8)");
   m.def("has_int8", &has_int8, "whether prefill can multiply in int8 (AVX-512 VNNI)");
   m.def("dequantise", &dequantise, "rows [n0, n1) of a packed W into an fp32 tensor");
+  m.def("parallel_threads", &parallel_threads, "threads one parallel region of this library runs on");
 }
