@@ -5,7 +5,8 @@ Knows nothing about HTTP; ``hetplan serve`` and the tests call ``load_engine``.
 
 from __future__ import annotations
 
-from hetplan.runtime.devices import Devices
+from hetplan.runtime.devices import Devices, check_pinned_memory, host_available_bytes
+from hetplan.runtime.residency import pinned_need_bytes
 from hetplan.runtime.prompt import load_tokenizer
 from hetplan.runtime.serve.engine import Engine
 from hetplan.runtime.serve.model import PagedModel
@@ -18,6 +19,8 @@ from hetplan.runtime.weights import TORCH_DTYPES, weight_source
 def load_engine(plan, weights: str, settings: ServeSettings, emulate: bool | None = None, seed: int = 0) -> Engine:
     spec = plan.model
     mode = choose_mode(plan, emulate)
+    if mode == "cuda":  # streamed blocks' weights are page-locked where they lie
+        check_pinned_memory(pinned_need_bytes(plan, caches=False), host_available_bytes())
     # the emulated GPU counts what is placed in it against the plan's budget
     devices = Devices(mode, plan.memory["gpu_budget_bytes"])
     source = weight_source(weights, seed, spec)

@@ -17,10 +17,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from hetplan.compiler import CompileRequest
 from hetplan.graph import PHASES
+from hetplan.runtime.serve.load import load_engine
 from hetplan.runtime.serve.sampling import SamplingParams
+from hetplan.runtime.serve.settings import settings_for
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.runtime.staging import streamed_slots
 from hetplan.serving import ServingRequest, compile_serving
@@ -152,3 +155,23 @@ def test_a_slot_is_refilled_only_after_the_block_reading_it_has_computed(streame
         elif block in slot_of:
             assert holder.get(slot_of[block]) == block, f"slot {slot_of[block]} refilled while {block} reads it"
             assert block in arrived, f"a stage of {block} {when}s before its weights arrived"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_blocks_on_a_cuda_gpu_come_from_pinned_memory_and_match_exec_alone(streamed):
+    """On a real GPU the copies run on the h2d stream out of page-locked host memory."""
+    plan, directory = streamed
+    engine = load_engine(plan, directory, settings_for(plan), emulate=False)
+    model = engine.model
+    assert model.devices.mode == "cuda"
+    for block in streamed_slots(plan, "decode"):
+        host = model.residency.blocks[block].flat
+        assert host.device.type == "cpu" and host.is_pinned()
+    prompts = [random_prompt(60 + i, n) for i, n in enumerate((6, 13, 3))]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
+    engine.run_until_idle()
+    model.close()
+    for p, r in zip(prompts, reqs):
+        alone = run_plan(plan, RunOptions(weights=directory, prompt_ids=(tuple(p),), gen_len=12, emulate=False,
+                                          warmup=False))
+        assert r.generated == alone.tokens[0]
