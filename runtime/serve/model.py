@@ -124,7 +124,7 @@ class PagedModel:
             qkv = self._run("attn_in", name, layer, dev, w, {"x": x}, 0, x.shape[1])
         work = []  # (rid, start, q [1, n, H, hd], k, v [n, KVH, hd]) on the device of the request's cache
         for (rid, _, start), off, n in zip(segments, offsets, lengths):
-            kv_dev = pool.kv[pool.alloc.table(rid).tier].device
+            kv_dev = pool.device(pool.alloc.table(rid).tier)
             q, k, v = (qkv[t][:, off:off + n].to(kv_dev) for t in ("q", "k", "v"))
             work.append((rid, start, q, k[0], v[0]))
         in_dram = [pool.alloc.table(rid).tier == "cpu" for rid, *_ in work] if self.cpu_lane else [False] * len(work)
@@ -156,12 +156,17 @@ class PagedModel:
 
     def _attend_all(self, pool, j: int, work: list) -> list:
         """Attention of each (rid, start, q [1, n, H*hd], k, v [n, KVH, hd]) over its cache,
-        after storing its new k, v there: -> [1, n, H*hd] each, on the cache's device."""
+        after storing its new k, v there: -> [1, n, H*hd] each, on the cache's device. As in
+        ``hetplan exec``, a prompt's first chunk (start 0) attends over its own k, v as computed,
+        a later one over the cache as stored (quantised, in a quantised KV dtype)."""
         outs = []
         for rid, start, q, k_new, v_new in work:
             n = q.shape[1]
             pool.write(rid, j, start, k_new, v_new)
-            k, v = pool.gather(rid, j, start + n)              # [1, T, KVH, hd]
+            if start == 0:
+                k, v = k_new[None], v_new[None]                # [1, n, KVH, hd]
+            else:
+                k, v = pool.gather(rid, j, start + n)          # [1, T, KVH, hd]
             outs.append(attention(q, k.to(q.dtype), v.to(q.dtype), start, scale=self.scale))
         return outs
 

@@ -13,9 +13,8 @@ from tests.serve.fixtures import ENGINES
 def planned_gpu_bytes(engine) -> float:
     """plan GPU bytes - the plan's GPU KV + the pool's GPU tier bytes + the emulation allowance."""
     plan = engine.model.plan
-    pool = engine.pool.kv["gpu"]
-    return (plan.memory["gpu_bytes"] - plan.memory["breakdown"]["gpu"]["kv"]
-            + pool.numel() * pool.element_size() + emulation_allowance_bytes(plan))
+    return (plan.memory["gpu_bytes"] - plan.memory["breakdown"]["gpu"]["kv"] + engine.pool.nbytes("gpu")
+            + emulation_allowance_bytes(plan))
 
 
 @pytest.fixture(autouse=True)
