@@ -197,6 +197,9 @@ def _where(plan, phase: str, mode: str) -> dict:
     out = {}
     for p in plan.placement:
         ex = p["exec"][phase] if mode != "cpu" else "cpu"
+        if ex == "stream" and p["block"] not in slots:
+            raise HetplanError(f"plan placement of block {p['block']}: streamed in {phase}, but the {phase} "
+                               f"schedule has no load for it; recompile the plan with `hetplan compile`")
         out[p["block"]] = ("gpu", slots[p["block"]]) if ex == "stream" else (ex, None)
     return out
 
