@@ -2,7 +2,8 @@
 memory and are copied into the staging slot their plan's ``load`` names, ahead of use, and they
 compute on the (emulated) GPU with that slot's views. Each request's greedy output equals
 ``hetplan exec``'s for its prompt alone; a slot is never refilled before the block reading it has
-computed; the slots are the plan's staging bytes; the GPU peak stays within the plan (the
+computed, and with two slots the next block's copy runs while the block before computes; the
+slots are the plan's staging bytes; the GPU peak stays within the plan (the
 autouse check of ``tests/serve/conftest.py``, and asserted here).
 
 The machine makes streaming pay: DRAM and the link are fast (20 GB/s, 10 GB/s) and the CPU
@@ -51,14 +52,19 @@ def checkpoint(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module", params=sorted(PLANS))
-def streamed(request, checkpoint):
-    strategy, gpu_mem, depth = PLANS[request.param]
+def compiled(checkpoint, name: str):
+    """(serving plan ``PLANS[name]``, checkpoint directory)."""
+    strategy, gpu_mem, depth = PLANS[name]
     req = CompileRequest(model=str(checkpoint), hw=str(checkpoint / "node.yaml"), strategy=strategy,
                          weight_dtype="fp32", gpu_mem=gpu_mem, prompt_len=24, gen_len=24)
     plan, _ = compile_serving(req, ServingRequest(max_batch=4))
     assert plan.staging["depth"] == depth
     return plan, str(checkpoint)
+
+
+@pytest.fixture(scope="module", params=sorted(PLANS))
+def streamed(request, checkpoint):
+    return compiled(checkpoint, request.param)
 
 
 def spy_stages(engine, monkeypatch) -> list:
@@ -155,6 +161,34 @@ def test_a_slot_is_refilled_only_after_the_block_reading_it_has_computed(streame
         elif block in slot_of:
             assert holder.get(slot_of[block]) == block, f"slot {slot_of[block]} refilled while {block} reads it"
             assert block in arrived, f"a stage of {block} {when}s before its weights arrived"
+
+
+def test_with_two_slots_the_next_blocks_copy_runs_while_the_block_before_computes(checkpoint, monkeypatch):
+    """Double buffering: the first streamed block's stages wait until the second block's copy
+    has begun (a copy issued only once the first block was done would never begin, and the
+    wait would time out)."""
+    plan, directory = compiled(checkpoint, "stream-two-slots")
+    engine = engine_for(plan, directory)
+    model = engine.model
+    first, second = (b for b, _ in model.streamed["prefill"][:2])
+    copying = threading.Event()
+    real_load, real_run = model.residency.load, model.backend.run
+
+    def load(block, slot):
+        if block == second:
+            copying.set()
+        real_load(block, slot)
+
+    def run(call):
+        if call.block == first:
+            assert copying.wait(timeout=60), f"{second}'s copy had not begun while {first} computed"
+        return real_run(call)
+
+    monkeypatch.setattr(model.residency, "load", load)
+    monkeypatch.setattr(model.backend, "run", run)
+    req = engine.submit(random_prompt(90, 5), SamplingParams(max_tokens=1, temperature=0.0))
+    engine.run_until_idle()
+    assert copying.is_set() and req.finish_reason == "length"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
