@@ -114,12 +114,14 @@ def _check_experts(plan: Plan, p: dict) -> None:
                                f"the block; recompile the plan with `hetplan compile`")
 
 
-def pinned_need_bytes(plan: Plan) -> int:
+def pinned_need_bytes(plan: Plan, caches: bool = True) -> int:
     """Host bytes a CUDA run page-locks for its copies, from the plan: the weights of every block
-    streamed in some phase (a split block's cold experts), and the KV caches a prefill on the GPU
-    copies down (``kv_down``), each rounded to whole pages as registered."""
+    streamed in some phase (a split block's cold experts), and (``caches``) the KV caches a
+    prefill on the GPU copies down (``kv_down``), each rounded to whole pages as registered.
+    ``hetplan serve`` passes ``caches=False``: its paged pool holds the caches, and the plan's
+    are placed one position long."""
     from hetplan.runtime.devices import page_round
-    kv_down = {t.block for t in plan.schedule["prefill"].tasks if t.kind == "kv_down"}
+    kv_down = {t.block for t in plan.schedule["prefill"].tasks if t.kind == "kv_down"} if caches else set()
     need = 0
     for p in plan.placement:
         if any(p["exec"][ph] == "stream" for ph in PHASES):

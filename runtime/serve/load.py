@@ -5,19 +5,23 @@ Knows nothing about HTTP; ``hetplan serve`` and the tests call ``load_engine``.
 
 from __future__ import annotations
 
-from hetplan.runtime.devices import Devices
+from hetplan.runtime import kv_cache
+from hetplan.runtime.devices import Devices, check_pinned_memory, host_available_bytes
+from hetplan.runtime.residency import pinned_need_bytes
 from hetplan.runtime.prompt import load_tokenizer
 from hetplan.runtime.serve.engine import Engine
 from hetplan.runtime.serve.model import PagedModel
 from hetplan.runtime.serve.pool import KVPool
 from hetplan.runtime.serve.settings import ServeSettings
 from hetplan.runtime.session import choose_mode
-from hetplan.runtime.weights import TORCH_DTYPES, weight_source
+from hetplan.runtime.weights import weight_source
 
 
 def load_engine(plan, weights: str, settings: ServeSettings, emulate: bool | None = None, seed: int = 0) -> Engine:
     spec = plan.model
     mode = choose_mode(plan, emulate)
+    if mode == "cuda":  # streamed blocks' weights are page-locked where they lie
+        check_pinned_memory(pinned_need_bytes(plan, caches=False), host_available_bytes())
     # the emulated GPU counts what is placed in it against the plan's budget
     devices = Devices(mode, plan.memory["gpu_budget_bytes"])
     source = weight_source(weights, seed, spec)
@@ -25,6 +29,6 @@ def load_engine(plan, weights: str, settings: ServeSettings, emulate: bool | Non
     tokenizer = load_tokenizer(source)
     if hasattr(source, "close"):
         source.close()
-    pool = KVPool(devices, spec.n_layers, spec.n_kv_heads, spec.head_dim, TORCH_DTYPES[spec.kv_dtype],
+    pool = KVPool(devices, spec.n_layers, spec.n_kv_heads, spec.head_dim, kv_cache.storage(spec.kv_dtype),
                   settings.block_tokens, {"gpu": settings.gpu_blocks, "cpu": settings.cpu_blocks})
     return Engine(model, pool, settings, tokenizer=tokenizer, mode=mode)

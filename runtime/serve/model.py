@@ -14,9 +14,14 @@ batch: per layer, ``attn_in`` runs for every segment on the block's device, the 
 q, k, v are copied down and handed to the CPU lane, the GPU segments' attention is issued on
 the calling thread, and the two lanes' outputs are merged in segment order for ``attn_out``
 (the CPU lane's copied up). ``head`` returns the
-logits of each segment's last position. A block the plan streams to the GPU computes here where
-its weights live (host memory): serving does not stream weights. Knows nothing about scheduling
-or HTTP.
+logits of each segment's last position.
+
+Each block computes where the plan's exec for the step's phase says (a step is a ``prefill`` when
+some segment brings more than one token, else a ``decode``): ``gpu`` on its resident weights,
+``cpu`` on its host weights, ``stream`` on the GPU with its weights copied out of host memory
+(pinned on a real GPU) into the staging slot the plan's ``load`` task names, ahead of use and
+overlapped with the blocks before it (``hetplan.runtime.staging``: at most ``depth`` slots of the
+largest streamed block, the plan's staging bytes). Knows nothing about scheduling or HTTP.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from contextlib import contextmanager
 import torch
 
 from hetplan.errors import HetplanError
+from hetplan.graph import PHASES
 from hetplan.runtime import kv_cache
 from hetplan.runtime.backend import StageCall, Step, backend_for
 from hetplan.runtime.kernels import quant
 from hetplan.runtime.models.dense import DenseBackend, attention
 from hetplan.runtime.residency import Residency
+from hetplan.runtime.staging import StagingRing, streamed_slots
 from hetplan.runtime.weights import TORCH_DTYPES
 
 STAGES = {"embed": ("embed",), "attn": ("attn_in", "attn_core", "attn_out"), "mlp": ("mlp",), "head": ("head",)}
@@ -48,7 +55,7 @@ class PagedModel:
         if not isinstance(self.backend, DenseBackend):
             raise HetplanError(f"model family {spec.arch!r}: hetplan serve runs the dense families "
                                f"(llama, mistral, qwen2, qwen3, opt, gpt2)")
-        self.spec, self.devices = spec, devices
+        self.plan, self.spec, self.devices = plan, spec, devices
         # quantised weights stay packed and are dequantised per stage into the compute dtype
         self.dtype = quant.compute_dtype(devices.mode) if quantised else TORCH_DTYPES[spec.weight_dtype]
         if quantised:
@@ -57,13 +64,19 @@ class PagedModel:
             self.backend.setup(devices.device(tier), max_tokens)
         # every block's weights in its tier, as ``hetplan exec`` places them; the caches it would
         # hold are one position each (the paged pool holds the serving caches)
-        residency = Residency(plan, self.backend, source, devices, self.dtype, kv_cache.storage(spec.kv_dtype), 1, 1)
-        self.blocks = []   # (name, kind, layer, tier, {local: tensor}) in forward order
-        for p in sorted(plan.placement, key=_order):
-            tier = "gpu" if p["weights"] == "gpu" and devices.mode != "cpu" else "cpu"
-            self.blocks.append((p["block"], p["kind"], p["layer"], tier, residency.weights(p["block"], tier, None)))
+        self.residency = Residency(plan, self.backend, source, devices, self.dtype,
+                                   kv_cache.storage(spec.kv_dtype), 1, 1)
+        self.blocks = [(p["block"], p["kind"], p["layer"]) for p in sorted(plan.placement, key=_order)]
+        self.where = {phase: _where(plan, phase, devices.mode) for phase in PHASES}
+        """phase -> block -> (tier it computes on, staging slot or None)."""
+        self.weights = {phase: {name: self.residency.weights(name, tier, slot) for name, (tier, slot) in w.items()}
+                        for phase, w in self.where.items()}
+        """phase -> block -> the tensors its stages compute with (a slot's views for a streamed block)."""
+        self.streamed = {phase: [(name, w[name][1]) for name, _, _ in self.blocks if w[name][1] is not None]
+                         for phase, w in self.where.items()}
+        self.ring = StagingRing(self.residency, devices) if any(self.streamed.values()) else None
         # attention layer -> its index in the pool's layer axis
-        self.kv_index = {layer: j for j, layer in enumerate(l for _, k, l, _, _ in self.blocks if k == "attn")}
+        self.kv_index = {layer: j for j, layer in enumerate(l for _, k, l in self.blocks if k == "attn")}
         self.scale = 1.0 if self.backend.q_scale is not None else None
         self.cpu_lane = (ThreadPoolExecutor(1, thread_name_prefix="hetplan-serve-cpu-attention")
                          if devices.mode != "cpu" else None)
@@ -75,9 +88,15 @@ class PagedModel:
         segment's last position; writes every segment's K/V into ``pool``."""
         lengths = [len(ids) for _, ids, _ in segments]
         offsets = [sum(lengths[:i]) for i in range(len(segments))]
+        phase = "prefill" if any(n > 1 for n in lengths) else "decode"
+        if self.ring is not None:
+            self.ring.start(self.streamed[phase])
         x = None
-        for name, kind, layer, tier, w in self.blocks:
-            dev = self.devices.device(tier)
+        for name, kind, layer in self.blocks:
+            tier, slot = self.where[phase][name]
+            dev, w = self.devices.device(tier), self.weights[phase][name]
+            if slot is not None:
+                self.ring.ready(name)
             if kind == "embed":
                 parts = [self._run("embed", name, layer, dev, w, {"ids": torch.tensor([ids], device=dev)}, start, len(ids))
                          ["x"] for _, ids, start in segments]
@@ -92,6 +111,8 @@ class PagedModel:
                 last = torch.tensor([off + n - 1 for off, n in zip(offsets, lengths)], device=dev)
                 h = x.to(dev).index_select(1, last)            # [1, S, D]
                 logits = self._run("head", name, layer, dev, w, {"x": h}, 0, h.shape[1], all_logits=True)["logits"]
+            if slot is not None:
+                self.ring.release(name)
         return logits[0].float().cpu()                         # [S, V]
 
     def _attention_layer(self, pool, name, layer, dev, w, x, segments, offsets, lengths) -> torch.Tensor:
@@ -103,7 +124,7 @@ class PagedModel:
             qkv = self._run("attn_in", name, layer, dev, w, {"x": x}, 0, x.shape[1])
         work = []  # (rid, start, q [1, n, H, hd], k, v [n, KVH, hd]) on the device of the request's cache
         for (rid, _, start), off, n in zip(segments, offsets, lengths):
-            kv_dev = pool.kv[pool.alloc.table(rid).tier].device
+            kv_dev = pool.device(pool.alloc.table(rid).tier)
             q, k, v = (qkv[t][:, off:off + n].to(kv_dev) for t in ("q", "k", "v"))
             work.append((rid, start, q, k[0], v[0]))
         in_dram = [pool.alloc.table(rid).tier == "cpu" for rid, *_ in work] if self.cpu_lane else [False] * len(work)
@@ -135,19 +156,26 @@ class PagedModel:
 
     def _attend_all(self, pool, j: int, work: list) -> list:
         """Attention of each (rid, start, q [1, n, H*hd], k, v [n, KVH, hd]) over its cache,
-        after storing its new k, v there: -> [1, n, H*hd] each, on the cache's device."""
+        after storing its new k, v there: -> [1, n, H*hd] each, on the cache's device. As in
+        ``hetplan exec``, a prompt's first chunk (start 0) attends over its own k, v as computed,
+        a later one over the cache as stored (quantised, in a quantised KV dtype)."""
         outs = []
         for rid, start, q, k_new, v_new in work:
             n = q.shape[1]
             pool.write(rid, j, start, k_new, v_new)
-            k, v = pool.gather(rid, j, start + n)              # [1, T, KVH, hd]
+            if start == 0:
+                k, v = k_new[None], v_new[None]                # [1, n, KVH, hd]
+            else:
+                k, v = pool.gather(rid, j, start + n)          # [1, T, KVH, hd]
             outs.append(attention(q, k.to(q.dtype), v.to(q.dtype), start, scale=self.scale))
         return outs
 
     def close(self) -> None:
-        """Stop the CPU lane's thread."""
+        """Stop the CPU lane's and the copy lane's threads."""
         if self.cpu_lane is not None:
             self.cpu_lane.shutdown(wait=True)
+        if self.ring is not None:
+            self.ring.close()
 
     def _run(self, kind, name, layer, dev, w, inputs, start, n, all_logits=False):
         step = Step("prefill" if n > 1 else "decode", start, n, 1, all_logits=all_logits)
@@ -160,6 +188,20 @@ def _in_inference_mode(fn, *args):
     """``fn(*args)`` under ``torch.inference_mode`` (a mode is per thread: the CPU lane's own)."""
     with torch.inference_mode():
         return fn(*args)
+
+
+def _where(plan, phase: str, mode: str) -> dict:
+    """block -> (tier its stages compute on in ``phase``, staging slot or None): as the plan's exec
+    says (``stream``: the GPU, from the slot of the block's ``load``), or the CPU without a GPU."""
+    slots = streamed_slots(plan, phase)
+    out = {}
+    for p in plan.placement:
+        ex = p["exec"][phase] if mode != "cpu" else "cpu"
+        if ex == "stream" and p["block"] not in slots:
+            raise HetplanError(f"plan placement of block {p['block']}: streamed in {phase}, but the {phase} "
+                               f"schedule has no load for it; recompile the plan with `hetplan compile`")
+        out[p["block"]] = ("gpu", slots[p["block"]]) if ex == "stream" else (ex, None)
+    return out
 
 
 def _order(p: dict) -> tuple:

@@ -3,8 +3,9 @@
 Every value can be set (``hetplan serve`` flags); what is left unset is derived from the plan:
 
 - ``gpu_blocks``: the plan's KV bytes (every block's ``kv_bytes``, over its batch and context)
-  divided by one block's bytes, ``block_tokens * n_layers * 2 * n_kv_heads * head_dim * kv
-  element bytes``: the running tier holds as many tokens as the plan budgeted for its caches;
+  divided by one block's bytes, ``block_tokens * n_layers * kv_bytes_per_token`` (a key row and a
+  value row of ``n_kv_heads * head_dim`` values in the KV dtype, a quantised row with its scales:
+  ``dtypes.row_bytes``): the running tier holds as many tokens as the plan budgeted for its caches;
 - ``cpu_blocks``: as many again, in DRAM, as room to swap every running request out;
 - ``max_batch``: min(64, gpu_blocks) (each running request holds at least one block);
 - ``max_context``: the plan's context (prompt_len + gen_len);
@@ -23,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from hetplan.errors import HetplanError
-
-KV_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -59,16 +58,13 @@ class ServeSettings:
 
 
 def block_bytes(spec, block_tokens: int) -> int:
-    """Bytes of one block: block_tokens * n_layers * 2 (k, v) * n_kv_heads * head_dim * element bytes."""
-    return block_tokens * spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * KV_ELEMENT_BYTES[spec.kv_dtype]
+    """Bytes of one block: block_tokens * n_layers * kv_bytes_per_token (k and v rows, with scales)."""
+    return int(block_tokens * spec.n_layers * spec.kv_bytes_per_token())
 
 
 def settings_for(plan, **given) -> ServeSettings:
     """The plan's defaults with every ``given`` value that is not None put over them."""
     spec, wl = plan.model, plan.workload
-    if spec.kv_dtype not in KV_ELEMENT_BYTES:
-        raise HetplanError(f"plan --kv-dtype {spec.kv_dtype}: hetplan serve keeps KV blocks in "
-                           f"{', '.join(KV_ELEMENT_BYTES)}; recompile the plan with one of them")
     given = {k: v for k, v in given.items() if v is not None}
     if plan.serving is not None:
         given = {**from_serving(plan.serving, given.get("block_tokens")), **given}

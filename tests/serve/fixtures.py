@@ -2,10 +2,14 @@
 
 The model is ``tests.exec.test_numerics``'s llama (hidden 64, 2 layers, 4 heads over 2 KV
 heads, vocab 128, llama3 rope scaling, weights std 0.2 so greedy choices are far from ties),
-saved with ``save_pretrained``; the plan puts it all on the (emulated) GPU.
+saved with ``save_pretrained``; the plan puts it all on the (emulated) GPU. Every engine
+``engine_for`` makes is remembered (``ENGINES``, weakly) for ``tests/serve/conftest.py``'s
+check of its GPU peak.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -31,8 +35,14 @@ def tiny_llama(tmp_path_factory, gpu: bool = True):
     return model, str(directory), compile_plan(req)[0]
 
 
+ENGINES = weakref.WeakSet()
+"""Every engine ``engine_for`` made that is still alive."""
+
+
 def engine_for(plan, directory, **settings):
-    return load_engine(plan, directory, settings_for(plan, **settings), emulate=True)
+    engine = load_engine(plan, directory, settings_for(plan, **settings), emulate=True)
+    ENGINES.add(engine)
+    return engine
 
 
 def greedy_alone(model, prompt: list, max_new: int) -> list:

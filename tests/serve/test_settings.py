@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
+from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError
 from hetplan.runtime.serve.metrics import Histogram
-from hetplan.runtime.serve.settings import settings_for
+from hetplan.runtime.serve.settings import block_bytes, settings_for
+from tests.exec.test_numerics import save_tiny_model
 from tests.serve.fixtures import CONTEXT, tiny_llama
+from tests.tiny_models import TINY_GPU_NODE
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +38,17 @@ def test_flags_override_the_plan_and_are_checked_by_name(plan):
         settings_for(plan, max_context=5000)
 
 
-def test_a_quantised_kv_dtype_is_refused(plan):
-    q = dataclasses.replace(plan, model=dataclasses.replace(plan.model, kv_dtype="q8_0"))
-    with pytest.raises(HetplanError, match="--kv-dtype q8_0"):
-        settings_for(q)
+def test_a_quantised_kv_plan_holds_the_tokens_it_budgeted_in_blocks_of_stored_bytes(tmp_path_factory):
+    """q8_0 keys and values: a row of 2 x 16 values is 2 scale bytes + 32 = 34 bytes, so the plan's
+    96 tokens x 2 layers x (34 + 34) bytes make 6 blocks of 16 x 2 x 68 bytes, as in fp32."""
+    d = tmp_path_factory.mktemp("kv-q8")
+    save_tiny_model("llama", d)
+    (d / "node.yaml").write_text(TINY_GPU_NODE)
+    q8 = compile_plan(CompileRequest(model=str(d), hw=str(d / "node.yaml"), strategy="all-gpu", weight_dtype="fp32",
+                                     kv_dtype="q8_0", prompt_len=CONTEXT // 2, gen_len=CONTEXT // 2))[0]
+    assert sum(p["kv_bytes"] for p in q8.placement if p.get("kv")) == CONTEXT * 2 * 68
+    assert block_bytes(q8.model, 16) == 16 * 2 * 68
+    assert settings_for(q8).gpu_blocks == 6
 
 
 def test_histogram_buckets_are_cumulative_with_sum_and_count():
