@@ -132,6 +132,6 @@ def check_kv_room(memory: dict, extra: dict, micro_batches: int, mode: str, name
     if need > budget:
         per = extra["gpu"] // (micro_batches - 1)
         fit = 1 + int((budget - memory["gpu_bytes"]) // per)
-        raise HetplanError(f"{name}: --micro-batches {micro_batches}: a KV cache per micro-batch takes "
-                           f"{format_bytes(need)} of GPU memory, over the stage's budget of {format_bytes(budget)}; "
+        raise HetplanError(f"{name}: --micro-batches {micro_batches}: with a KV cache per micro-batch the stage "
+                           f"takes {format_bytes(need)} of GPU memory, over its budget of {format_bytes(budget)}; "
                            f"run at most {fit} micro-batch(es), or recompile with a smaller --batch")
