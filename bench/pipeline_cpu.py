@@ -21,8 +21,9 @@ pass per run: on a shared machine one sample is noisy). The ratio is measured / 
 
 Micro-batches (``--micro``, ``hetplan exec --micro-batches``): the same plan run with M groups of
 its batch interleaved through the stages, M = 1 (the stages take turns) and M = 4 (one per
-stage). For each M, each stage's busy and idle seconds over the timed run (medians), and the
-decode rate (M x batch tokens per step over the last stage's decode window) against the rate the
+stage). For each M, each stage's decode busy and idle seconds (medians), and the
+decode rate (M x batch tokens per step over the last stage's decode window) and how many stages
+computed at once on average (their decode busy seconds over that window) against the rate the
 plan's stage times give M micro-batches (``worker.expected_rate``) and the plan's pipelined rate
 (``pipeline.predicted.pipelined_decode_tokens_per_s``: every stage busy). The plan's four
 "GPUs" are modelled as four one-thread devices; this machine has fewer cores than that, so the
@@ -148,19 +149,28 @@ def micro_table(by_m: dict) -> None:
             busy = statistics.median(r.stages[i]["busy_s"]["decode"] for r in runs)
             idle = statistics.median(r.stages[i]["idle_s"]["decode"] for r in runs)
             print(f"| {m} | {i} | {per * 1e3:.2f} ms | {busy:.3f} s | {idle:.3f} s | {busy / (busy + idle):.0%} |")
-    print("| micro-batches | decode tok/s | expected for M | ratio | pipelined (plan) | per run |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| micro-batches | decode tok/s | expected for M | ratio | pipelined (plan) | stages busy at once "
+          "| per run |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for m, runs in by_m.items():
         rate = statistics.median(r.measured["decode_tokens_per_s"] for r in runs)
         p = runs[0].predicted
         each = " ".join(f"{r.measured['decode_tokens_per_s']:.2f}" for r in runs)
-        print(f"| {m} | {rate:.2f} | {p['micro_batch_decode_tokens_per_s']:.2f} | "
-              f"{rate / p['micro_batch_decode_tokens_per_s']:.2f} | {p['pipelined_decode_tokens_per_s']:.2f} | {each} |")
+        want = p["micro_batch_decode_tokens_per_s"]
+        print(f"| {m} | {rate:.2f} | {want:.2f} | {rate / want:.2f} | {p['pipelined_decode_tokens_per_s']:.2f} "
+              f"| {statistics.median(busy_at_once(r) for r in runs):.2f} | {each} |")
     if 1 in by_m and len(by_m) > 1:
         base = statistics.median(r.measured["decode_tokens_per_s"] for r in by_m[1])
         print("decode rate against one micro-batch: " + ", ".join(
             f"M = {m}: {statistics.median(r.measured['decode_tokens_per_s'] for r in runs) / base:.2f}x"
             for m, runs in by_m.items() if m != 1))
+
+
+def busy_at_once(r) -> float:
+    """The stages' decode busy seconds together over the last stage's decode window: how many
+    stages computed at once, on average (at most the cores they share)."""
+    window = r.measured["tpot_s"] * len(r.step_s)
+    return sum(s["busy_s"]["decode"] for s in r.stages) / window
 
 
 if __name__ == "__main__":
