@@ -60,6 +60,7 @@ class Flow:
         self.hidden, self.wire, self.opts = hidden, wire, opts
         self.first, self.last = rank == 0, rank == world - 1
         self.gen = torch.Generator().manual_seed(opts.seed)
+        self.micro_batches = 1
 
     def generate(self, groups: list, gen_len: int, progress) -> dict:
         """Generate ``gen_len`` tokens for each micro-batch (``groups``: ids [B, P] each; read
@@ -77,6 +78,7 @@ class Flow:
         tokens, logits = [[] for _ in range(m)], [[] for _ in range(m)]
         busy, ended, back = [], [], {}   # back: pass index -> its token, on a pipeline of one stage
         t0 = time.perf_counter()
+        self.micro_batches = m
         incoming = self._post(order, 0, batch)
         for k, p in enumerate(order):
             if progress and self.last and p.phase == "decode" and p.micro == 0:
@@ -99,12 +101,12 @@ class Flow:
                     logits[p.micro].append(lg)
                 if k + m < len(order):        # the micro-batch decodes further: its token goes back
                     if self.world > 1:
-                        self.peers.send(tok, 0, f"sending the sampled token of micro-batch {p.micro} to")
+                        self.peers.send(tok, 0, f"sending the sampled token{self._of(p)} to")
                     else:
                         back[k + m] = tok
             else:
                 self.peers.send(out["x"].to(self.wire), self.rank + 1,
-                                f"sending the {p.phase} hidden state of micro-batch {p.micro} to")
+                                f"sending the {p.phase} hidden state{self._of(p)} to")
             busy.append(seconds)
             ended.append(time.perf_counter() - t0)
         if progress and self.last:
@@ -113,6 +115,10 @@ class Flow:
             self.peers.reap(every=True)
         return _measured(order, m, busy, ended, tokens, logits, self.last)
 
+    def _of(self, p: Pass) -> str:
+        """Which micro-batch a message is of, in what a failure says (when there are several)."""
+        return f" of micro-batch {p.micro}" if self.micro_batches > 1 else ""
+
     def _post(self, order: list, k: int, batch: int):
         """The receive pass ``k`` needs, posted (None: it needs none, or there is no pass ``k``)."""
         if k >= len(order) or self.world == 1:
@@ -120,10 +126,10 @@ class Flow:
         p = order[k]
         if not self.first:
             return self.peers.post((batch, p.tokens, self.hidden), self.wire, self.rank - 1,
-                                   f"receiving the {p.phase} hidden state of micro-batch {p.micro} from")
+                                   f"receiving the {p.phase} hidden state{self._of(p)} from")
         if p.phase == "decode":
             return self.peers.post((batch,), torch.int64, self.world - 1,
-                                   f"receiving the sampled token of micro-batch {p.micro} from")
+                                   f"receiving the sampled token{self._of(p)} from")
         return None
 
 
