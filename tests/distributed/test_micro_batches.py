@@ -53,8 +53,8 @@ CASES = {
 def test_each_micro_batch_computes_what_transformers_computes_on_it_alone(llama_files, case, tmp_path):
     model_dir, node, model = llama_files
     cuts, strategies, batch, micro, objective = CASES[case]
-    plan = pipeline_plan(model_dir, node, cuts, strategies, Workload(batch, PROMPT_LEN, GEN_LEN, prefill_chunk=PROMPT_LEN),
-                         tmp_path / "plan.json", objective)
+    wl = Workload(batch, PROMPT_LEN, GEN_LEN, prefill_chunk=PROMPT_LEN)
+    plan = pipeline_plan(model_dir, node, cuts, strategies, wl, tmp_path / "plan.json", objective)
     m = micro or len(cuts) - 1                    # a throughput plan: one micro-batch per stage
     ids = torch.randint(0, 128, (m * batch, PROMPT_LEN), generator=torch.Generator().manual_seed(11))
     opts = RunOptions(weights=str(model_dir), prompt_ids=tuple(map(tuple, ids.tolist())), all_logits=True,
@@ -126,8 +126,8 @@ def test_micro_batches_whose_kv_caches_overflow_the_gpu_budget_are_refused_namin
 def test_hetplan_exec_micro_batches_reports_busy_and_idle_time_per_stage(llama_files, tmp_path):
     model_dir, node, model = llama_files
     plan_path = tmp_path / "plan.json"
-    pipeline_plan(model_dir, node, [0, 3, 4], ["ngl:1", "stream"], Workload(1, PROMPT_LEN, GEN_LEN, prefill_chunk=PROMPT_LEN),
-                  plan_path)
+    wl = Workload(1, PROMPT_LEN, GEN_LEN, prefill_chunk=PROMPT_LEN)
+    pipeline_plan(model_dir, node, [0, 3, 4], ["ngl:1", "stream"], wl, plan_path)
     ids = torch.randint(0, 128, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
     out = subprocess.run([sys.executable, "-m", "hetplan", "exec", str(plan_path), "--weights", str(model_dir),
                           "--prompt-ids", ";".join(",".join(map(str, r)) for r in ids.tolist()),

@@ -60,7 +60,8 @@ def test_a_gpu_of_another_name_with_room_for_the_budget_is_a_warning(two_stages,
     stage = stage_plan(plan, 0)
     gpu(monkeypatch, "NVIDIA H200", 139 * 2**30)
     (warning,) = check_node(stage, 0, "cuda", 0)
-    assert warning.startswith("stage 0: the plan was made for ") and "GPU 'g', but GPU 0 here is 'NVIDIA H200'" in warning
+    assert warning.startswith("stage 0: the plan was made for ")
+    assert "GPU 'g', but GPU 0 here is 'NVIDIA H200'" in warning
     gpu(monkeypatch, "g", stage.memory["gpu_budget_bytes"])   # the same GPU, exactly the budget: nothing to say
     assert check_node(stage, 0, "cuda", 0) == []
 
