@@ -195,8 +195,17 @@ def _child(plan, rank, init, opts, timeout_s, progress, threads, results, micro_
 
 
 def _say(text: str, kind: str = "error") -> None:
-    line = " ".join(text.split())
-    print(f"hetplan: {kind}: {line}", file=sys.stderr, flush=True)
+    """One line on stderr, written at once (one ``write`` to the descriptor: the stage processes
+    share it, and a line written in parts can be cut by another process's)."""
+    line = "hetplan: {}: {}\n".format(kind, " ".join(text.split()))
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return
+    sys.stderr.flush()
+    os.write(fd, line.encode(errors="replace"))
 
 
 def _watch(procs, results) -> PipelineResult:
