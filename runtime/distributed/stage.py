@@ -49,8 +49,10 @@ class StageRunner:
         check_kv_room(part.memory, extra, micro_batches, mode, name)
         check_free_memory(with_extra_kv(part.memory, extra), mode,
                           torch.cuda.mem_get_info()[0] if mode == "cuda" else None, host_available_bytes())
-        if mode == "cuda":
-            check_pinned_memory(pinned_need_bytes(part), host_available_bytes())
+        if mode == "cuda":   # the further micro-batches' host caches that the GPU copies into are pinned too
+            kv_down = {t.block for t in part.schedule["prefill"].tasks if t.kind == "kv_down"}
+            more = (micro_batches - 1) * sum(int(p["kv_bytes"]) for p in part.placement if p["block"] in kv_down)
+            check_pinned_memory(pinned_need_bytes(part) + more, host_available_bytes())
         dtype = quant.compute_dtype(mode) if quantised else torch_dtype(spec.weight_dtype, "--weight-dtype")
         if quantised:
             backend.dtype = dtype
