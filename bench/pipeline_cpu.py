@@ -1,7 +1,7 @@
 """A pipeline plan run as four gloo processes on this CPU: each stage's measured busy time
-against the plan's predicted stage time.
+against the plan's predicted stage time, and one micro-batch against one per stage.
 
-    python -W ignore bench/pipeline_cpu.py [--work DIR] [--gen 32] [--prompt 128] [--reps 3]
+    python -W ignore bench/pipeline_cpu.py [--work DIR] [--gen 32] [--prompt 128] [--reps 3] [--micro 1,4]
 
 The machine is described to the planner as it will run: a node of four "GPUs" that are this
 CPU, one thread each (every stage process computes with one intra-op thread: the launcher gives
@@ -18,6 +18,16 @@ is a stage's own compute (its executor's wall time per pass, not the waits for t
 stages): the timed prefill, and the mean of the decode steps. The run is repeated ``--reps``
 times (fresh processes each), and each figure is the median over the runs (a prefill is one
 pass per run: on a shared machine one sample is noisy). The ratio is measured / predicted.
+
+Micro-batches (``--micro``, ``hetplan exec --micro-batches``): the same plan run with M groups of
+its batch interleaved through the stages, M = 1 (the stages take turns) and M = 4 (one per
+stage). For each M, each stage's decode busy and idle seconds (medians), and the
+decode rate (M x batch tokens per step over the last stage's decode window) and how many stages
+computed at once on average (their decode busy seconds over that window) against the rate the
+plan's stage times give M micro-batches (``worker.expected_rate``) and the plan's pipelined rate
+(``pipeline.predicted.pipelined_decode_tokens_per_s``: every stage busy). The plan's four
+"GPUs" are modelled as four one-thread devices; this machine has fewer cores than that, so the
+stages of a pipelined run share them and the pipelined rate is out of reach by construction.
 """
 
 from __future__ import annotations
@@ -75,7 +85,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--micro", default="1,4", help="Micro-batch counts to run, comma-separated.")
     args = ap.parse_args()
+    micro = [int(m) for m in args.micro.split(",")]
     from hetplan.compiler import CompileRequest, compile_plan
     from hetplan.runtime.distributed.launch import run_pipeline
     from hetplan.runtime.session import RunOptions
@@ -93,12 +105,21 @@ def main() -> None:
     print(f"compiled in {ct.wall_s:.1f} s: stages "
           + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1} ({s['weights']['gpu']}/{s['weights']['stream']}/"
                       f"{s['weights']['cpu']} blocks gpu/stream/cpu)" for s in plan.pipeline["stages"]))
-    runs, t0 = [], time.perf_counter()
-    for _ in range(args.reps):
-        runs.append(run_pipeline(plan, RunOptions(weights="random", emulate=True), timeout_s=600))
-    print(f"ran 4 processes (gloo, emulated GPUs, {max(1, (os.cpu_count() or 1) // 4)} thread each) {args.reps} "
-          f"times in {time.perf_counter() - t0:.1f} s; prompt {args.prompt}, {args.gen} tokens, batch 1; medians")
+    by_m, t0 = {}, time.perf_counter()
+    for _ in range(args.reps):   # the counts alternate, so that a change in the machine's load hits each
+        for m in micro:
+            by_m.setdefault(m, []).append(run_pipeline(plan, RunOptions(weights="random", emulate=True),
+                                                       timeout_s=600, micro_batches=m))
+    print(f"ran 4 processes (gloo, emulated GPUs, {max(1, (os.cpu_count() or 1) // 4)} thread each) "
+          f"{args.reps} times per micro-batch count in {time.perf_counter() - t0:.1f} s; prompt {args.prompt}, "
+          f"{args.gen} tokens, batch 1; medians")
+    if 1 in by_m:
+        stage_table(by_m[1])
+    micro_table(by_m)
 
+
+def stage_table(runs: list) -> None:
+    """One micro-batch: each stage's busy time per pass against its predicted time."""
     def med(key, i=None):
         return statistics.median(r.stages[i][key] if i is not None else r.measured[key] for r in runs)
 
@@ -116,6 +137,40 @@ def main() -> None:
           f"to {busy_d * 1e3:.2f} ms, so {(med('tpot_s') - busy_d) * 1e3:.2f} ms a token is messages and waiting")
     print("per run, prefill busy / predicted by stage: " + "; ".join(
         " ".join(f"{s['busy_prefill_s'] / s['predicted_ttft_s']:.2f}" for s in r.stages) for r in runs))
+
+
+def micro_table(by_m: dict) -> None:
+    """Per micro-batch count: each stage's decode busy and idle time, and the decode rate."""
+    print("| micro-batches | stage | decode busy / pass | decode busy | decode idle | busy share |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for m, runs in by_m.items():
+        for i in range(len(runs[0].stages)):
+            per = statistics.median(r.stages[i]["busy_decode_s"] for r in runs)
+            busy = statistics.median(r.stages[i]["busy_s"]["decode"] for r in runs)
+            idle = statistics.median(r.stages[i]["idle_s"]["decode"] for r in runs)
+            print(f"| {m} | {i} | {per * 1e3:.2f} ms | {busy:.3f} s | {idle:.3f} s | {busy / (busy + idle):.0%} |")
+    print("| micro-batches | decode tok/s | expected for M | ratio | pipelined (plan) | stages busy at once "
+          "| per run |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for m, runs in by_m.items():
+        rate = statistics.median(r.measured["decode_tokens_per_s"] for r in runs)
+        p = runs[0].predicted
+        each = " ".join(f"{r.measured['decode_tokens_per_s']:.2f}" for r in runs)
+        want = p["micro_batch_decode_tokens_per_s"]
+        print(f"| {m} | {rate:.2f} | {want:.2f} | {rate / want:.2f} | {p['pipelined_decode_tokens_per_s']:.2f} "
+              f"| {statistics.median(busy_at_once(r) for r in runs):.2f} | {each} |")
+    if 1 in by_m and len(by_m) > 1:
+        base = statistics.median(r.measured["decode_tokens_per_s"] for r in by_m[1])
+        print("decode rate against one micro-batch: " + ", ".join(
+            f"M = {m}: {statistics.median(r.measured['decode_tokens_per_s'] for r in runs) / base:.2f}x"
+            for m, runs in by_m.items() if m != 1))
+
+
+def busy_at_once(r) -> float:
+    """The stages' decode busy seconds together over the last stage's decode window: how many
+    stages computed at once, on average (at most the cores they share)."""
+    window = r.measured["tpot_s"] * len(r.step_s)
+    return sum(s["busy_s"]["decode"] for s in r.stages) / window
 
 
 if __name__ == "__main__":

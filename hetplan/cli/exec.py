@@ -68,8 +68,11 @@ class _Progress:
 @click.option("--dist-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="A plan with a pipeline: seconds to wait for the stage processes' rendezvous and for any "
                    "one message between them.")
+@click.option("--micro-batches", default=None, type=click.IntRange(1, 4096),
+              help="A plan with a pipeline: groups of the plan's batch that flow through the stages together "
+                   "(default: 1; a throughput plan's, one per stage).")
 def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, greedy, temperature, trace_path,
-            emulate, routing_path, as_json, dist_timeout):
+            emulate, routing_path, as_json, dist_timeout, micro_batches):
     """Execute PLAN: place the weights as planned, prefill, decode, report measured vs predicted."""
     distinct_targets({"--trace": trace_path, "--record-routing": routing_path},
                      {"PLAN": plan_path, "--weights": weights, "--model": model_path})
@@ -104,8 +107,11 @@ def command(plan_path, weights, model_path, seed, prompt, prompt_ids, gen_len, g
         from hetplan.cli import exec_pipeline
         exec_pipeline.refuse_unsupported(trace_path, routing_path)
         with step("running the pipeline, one process per stage (Ctrl-C stops)"), cancellable():
-            exec_pipeline.run(plan, opts, dist_timeout, as_json, _Progress(None))
+            exec_pipeline.run(plan, opts, dist_timeout, as_json, _Progress(None), micro_batches)
         return
+    if micro_batches is not None:
+        raise HetplanError("--micro-batches: only for a plan with a pipeline (this plan runs on one device); "
+                           "drop --micro-batches, or raise the batch with `hetplan compile --batch`")
     note = None
     if emulate is None and choose_mode(plan, None) == "emulated":
         note = "no CUDA device: the plan's GPU is emulated on the CPU (--emulate)"

@@ -18,10 +18,10 @@ def refuse_unsupported(trace_path, routing_path) -> None:
                                f"processes); drop {option}")
 
 
-def run(plan, opts, timeout_s: float, as_json: bool, progress) -> None:
+def run(plan, opts, timeout_s: float, as_json: bool, progress, micro_batches: int | None = None) -> None:
     from hetplan.runtime.distributed.launch import run_pipeline
 
-    result = run_pipeline(plan, opts, timeout_s, progress)
+    result = run_pipeline(plan, opts, timeout_s, progress, micro_batches)
     if result is None:  # a torchrun process other than the last stage's: that one reports
         return
     if as_json:
@@ -33,24 +33,34 @@ def run(plan, opts, timeout_s: float, as_json: bool, progress) -> None:
 def report(r) -> None:
     modes = sorted(set(r.modes))
     where = ", ".join({"cuda": "CUDA GPUs", "emulated": "emulated GPUs (CPU)", "cpu": "CPU only"}[m] for m in modes)
-    click.echo(f"ran a pipeline of {len(r.stages)} stages, one process each, on {where}")
+    click.echo(f"ran a pipeline of {len(r.stages)} stages, one process each, on {where}; "
+               f"{r.micro_batches} micro-batch(es) of {len(r.tokens) // r.micro_batches} sequence(s)")
     for i, seq in enumerate(r.tokens):
         click.echo(f"sequence {i}: {' '.join(map(str, seq))}")
         if r.text:
             click.echo(f"  text: {r.text[i]!r}")
-    click.echo(f"{'':18}{'measured':>13}{'predicted':>13}")
-    for key, label in (("ttft_s", "TTFT (warm)"), ("tpot_s", "TPOT"), ("decode_tokens_per_s", "decode tokens/s")):
-        m, p = r.measured[key], r.predicted[key]
-        fmt = (lambda v: f"{v:.1f}") if key == "decode_tokens_per_s" else format_seconds
-        click.echo(f"{label:18}{fmt(m) if m is not None else '-':>13}{fmt(p):>13}")
+    click.echo(f"{'':34}{'measured':>13}{'predicted':>13}")
+    m, p = r.measured, r.predicted
+    rate = lambda v: f"{v:.1f}" if v is not None else "-"   # noqa: E731
+    secs = lambda v: format_seconds(v) if v is not None else "-"   # noqa: E731
+    rows = [("TTFT (warm)", secs(m["ttft_s"]), secs(p["ttft_s"])),
+            ("TPOT (each micro-batch)", secs(m["tpot_s"]), secs(p["tpot_s"]) if r.micro_batches == 1 else ""),
+            ("decode tokens/s", rate(m["decode_tokens_per_s"]), rate(p["micro_batch_decode_tokens_per_s"])),
+            ("  pipelined (every stage busy)", "", rate(p["pipelined_decode_tokens_per_s"]))]
+    for label, got, want in rows:
+        click.echo(f"{label:34}{got:>13}{want:>13}")
     click.echo(f"{'stage':8}{'GPU':>5}{'layers':>9}{'busy prefill':>14}{'predicted':>11}{'busy decode':>13}"
-               f"{'predicted':>11}{'peak GPU mem':>14}")
+               f"{'predicted':>11}{'busy':>11}{'idle':>11}{'peak GPU mem':>14}")
     for s in r.stages:
         a, b = s["layers"]
-        busy_p = format_seconds(s["busy_prefill_s"]) if s["busy_prefill_s"] is not None else "-"
-        busy_d = format_seconds(s["busy_decode_s"]) if s["busy_decode_s"] is not None else "-"
-        click.echo(f"{s['rank']:<8}{s['gpu']:>5}{f'{a}-{b - 1}':>9}{busy_p:>14}{format_seconds(s['predicted_ttft_s']):>11}"
-                   f"{busy_d:>13}{format_seconds(s['predicted_tpot_s']):>11}"
+        busy = sum(s["busy_s"].values())
+        idle = sum(s["idle_s"].values())
+        click.echo(f"{s['rank']:<8}{s['gpu'] if s['gpu'] is not None else '-':>5}{f'{a}-{b - 1}':>9}"
+                   f"{secs(s['busy_prefill_s']):>14}{format_seconds(s['predicted_ttft_s']):>11}"
+                   f"{secs(s['busy_decode_s']):>13}{format_seconds(s['predicted_tpot_s']):>11}"
+                   f"{format_seconds(busy):>11}{format_seconds(idle):>11}"
                    f"{format_bytes(s['peak_bytes'].get('gpu', 0)):>14}")
+    click.echo("busy prefill / busy decode: one micro-batch's pass; busy / idle: the whole timed run (idle: "
+               "waiting for the stage before or for the token)")
     if not r.comparable:
         click.echo("times not comparable with the plan: GPUs were emulated on the CPU, so the run measured the CPU")

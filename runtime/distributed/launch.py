@@ -12,10 +12,13 @@ is one of them), and what each says when it cannot go on.
   running ``GRACE_S`` seconds later are ended.
 - One stage: it runs in this process, without a process group.
 
-Every process first places its stage, then the stages tell each other whether they are ready
-(``all_gather_object``), so a stage that cannot start (a GPU this machine lacks, not enough
-memory) stops every process at once, each with one line naming the stage. The rendezvous and
-every message wait at most ``timeout_s`` (``--dist-timeout``). Intra-op threads are shared out:
+Every process first checks that this machine can hold its stage (``node.check_node``: a GPU
+as large as the plan's, enough host memory; a GPU of another name is a warning line), then places
+its stage, then the stages tell each other whether they are ready (``all_gather_object``), so a
+stage that cannot start (a GPU this machine lacks or too small, not enough memory) stops every
+process at once, each with one line naming the stage. ``micro_batches`` groups of the plan's
+batch flow through the stages (``flow``; default ``worker.default_micro_batches``). The
+rendezvous and every message wait at most ``timeout_s`` (``--dist-timeout``). Intra-op threads are shared out:
 ``cores // stages`` per spawned process.
 """
 
@@ -34,12 +37,15 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.pipeline.record import stage_plan
 from hetplan.plan import Plan
+from hetplan.runtime.distributed.node import check_node
 from hetplan.runtime.distributed.peers import Peers, join, leave
-from hetplan.runtime.distributed.worker import PipelineResult, PreparedStage, stage_device
+from hetplan.runtime.distributed.worker import PipelineResult, PreparedStage, default_micro_batches, stage_device
 from hetplan.runtime.session import RunOptions, choose_mode
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default wait for the rendezvous and for any one message (``--dist-timeout``)."""
+MAX_MICRO_BATCHES = 4096
+"""The most micro-batches a run takes (``--micro-batches``)."""
 GRACE_S = 10.0
 """How long the local launcher lets the other processes stop on their own after one failed."""
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -51,25 +57,37 @@ def under_torchrun(environ=None) -> bool:
 
 
 def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 progress=None) -> PipelineResult | None:
-    """Run ``plan``'s pipeline -> its result (None in a torchrun process other than the last
-    stage's)."""
+                 progress=None, micro_batches: int | None = None) -> PipelineResult | None:
+    """Run ``plan``'s pipeline with ``micro_batches`` groups of its batch (None: the plan's
+    default) -> its result (None in a torchrun process other than the last stage's)."""
     world = len(plan.pipeline["stages"])
+    m = default_micro_batches(plan) if micro_batches is None else micro_batches
+    if not 1 <= m <= MAX_MICRO_BATCHES:
+        raise HetplanError(f"--micro-batches {m}: must be 1 to {MAX_MICRO_BATCHES}")
     if under_torchrun():
         rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
         if size != world or not 0 <= rank < world:
             raise HetplanError(f"WORLD_SIZE {size}, RANK {rank}: the plan's pipeline has {world} stage(s), one "
                                f"process each; start {world} processes in all (torchrun --nnodes and "
                                f"--nproc-per-node adding up to {world})")
-        return run_rank(plan, rank, "env://", opts, timeout_s, progress)
+        return run_rank(plan, rank, "env://", opts, timeout_s, progress, m)
     if world == 1:
-        mode, gpu = stage_device(plan, 0, opts.emulate)
+        mode, gpu = _checked_device(plan, 0, opts)
         if mode == "cuda":
             torch.cuda.set_device(gpu)
-        return PreparedStage(plan, 0, opts, mode).run(None, progress)
+        return PreparedStage(plan, 0, opts, mode, m).run(None, progress)
     for rank in range(world):  # this machine runs every stage: refuse one it cannot before starting any
         stage_device(plan, rank, opts.emulate)
-    return _spawn(plan, opts, timeout_s, progress)
+    return _spawn(plan, opts, timeout_s, progress, m)
+
+
+def _checked_device(plan: Plan, rank: int, opts: RunOptions) -> tuple[str, int]:
+    """(mode, GPU) of stage ``rank`` here, once this machine is known to hold it; says each
+    warning on its own line."""
+    mode, gpu = stage_device(plan, rank, opts.emulate)
+    for line in check_node(stage_plan(plan, rank), rank, mode, gpu):
+        _say(line, "warning")
+    return mode, gpu
 
 
 def _env_int(name: str) -> int:
@@ -87,22 +105,24 @@ def message_backend(plan: Plan, emulate: bool | None) -> str:
 
 
 def run_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float,
-             progress=None) -> PipelineResult | None:
-    """Be stage ``rank``: rendezvous, place the stage, agree that every stage is ready, run."""
+             progress=None, micro_batches: int = 1) -> PipelineResult | None:
+    """Be stage ``rank``: check this machine, rendezvous, place the stage, agree that every
+    stage is ready, run."""
     try:
-        return _be_rank(plan, rank, init_method, opts, timeout_s, progress)
+        return _be_rank(plan, rank, init_method, opts, timeout_s, progress, micro_batches)
     except HetplanError as e:  # every line a stage process says names the stage
         if str(e).startswith(f"stage {rank}:"):
             raise
         raise HetplanError(f"stage {rank}: {e}") from None
 
 
-def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, progress):
+def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, progress,
+             micro_batches: int):
     world, name = len(plan.pipeline["stages"]), f"stage {rank}"
     backend = message_backend(plan, opts.emulate)
     prepared, problem, mode = None, None, None
     try:   # said to the others once the rendezvous is done, so that every process stops at once
-        mode, gpu = stage_device(plan, rank, opts.emulate)
+        mode, gpu = _checked_device(plan, rank, opts)
         if mode == "cuda":
             torch.cuda.set_device(gpu)   # before the rendezvous: NCCL's communicators use it
     except HetplanError as e:
@@ -111,7 +131,7 @@ def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_
     try:
         if problem is None:
             try:
-                prepared = PreparedStage(plan, rank, opts, mode)
+                prepared = PreparedStage(plan, rank, opts, mode, micro_batches)
             except HetplanError as e:
                 problem = str(e)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -135,7 +155,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(plan: Plan, opts: RunOptions, timeout_s: float, progress) -> PipelineResult:
+def _spawn(plan: Plan, opts: RunOptions, timeout_s: float, progress, micro_batches: int) -> PipelineResult:
     import torch.multiprocessing as mp
 
     world = len(plan.pipeline["stages"])
@@ -145,18 +165,18 @@ def _spawn(plan: Plan, opts: RunOptions, timeout_s: float, progress) -> Pipeline
     threads = max(1, (os.cpu_count() or 1) // world)
     procs = [ctx.Process(target=_child, name=f"hetplan-stage-{r}", daemon=False,
                          args=(plan, r, init, opts, timeout_s, progress if r == world - 1 else None, threads,
-                               results))
+                               results, micro_batches))
              for r in range(world)]
     for p in procs:
         p.start()
     return _watch(procs, results)
 
 
-def _child(plan, rank, init, opts, timeout_s, progress, threads, results) -> None:
+def _child(plan, rank, init, opts, timeout_s, progress, threads, results, micro_batches) -> None:
     """A spawned stage process: its errors as one line on stderr, exit 2 (3: a bug, 130: Ctrl-C)."""
     torch.set_num_threads(threads)
     try:
-        result = run_rank(plan, rank, init, opts, timeout_s, progress)
+        result = run_rank(plan, rank, init, opts, timeout_s, progress, micro_batches)
         if result is not None:  # as bytes: tensors put on a queue as such live in shared memory
             buf = io.BytesIO()   # that goes when this process exits, before the launcher reads them
             torch.save(result, buf)
@@ -174,9 +194,18 @@ def _child(plan, rank, init, opts, timeout_s, progress, threads, results) -> Non
         sys.exit(3)
 
 
-def _say(text: str) -> None:
-    line = " ".join(text.split())
-    print(f"hetplan: error: {line}", file=sys.stderr, flush=True)
+def _say(text: str, kind: str = "error") -> None:
+    """One line on stderr, written at once (one ``write`` to the descriptor: the stage processes
+    share it, and a line written in parts can be cut by another process's)."""
+    line = "hetplan: {}: {}\n".format(kind, " ".join(text.split()))
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return
+    sys.stderr.flush()
+    os.write(fd, line.encode(errors="replace"))
 
 
 def _watch(procs, results) -> PipelineResult:

@@ -4,7 +4,8 @@
 torchrun) with one timeout for the rendezvous and for every later message; NCCL when the stages
 run on CUDA GPUs, gloo otherwise. ``Peers`` sends with ``isend`` (the sender goes on at once and
 waits for the send only when it needs the buffer again, or at the end) and receives with
-``irecv``; every failure of torch.distributed (a peer whose connection closed, a timeout) becomes
+``irecv``, a receive posted ahead (``post``) so that the message lands while the stage computes;
+every failure of torch.distributed (a peer whose connection closed, a timeout) becomes
 a one-line ``HetplanError`` that names this stage, the peer and what was being exchanged.
 
 Knows nothing about models, plans or what the tensors hold.
@@ -66,15 +67,19 @@ class Peers:
         except Exception as e:  # noqa: BLE001
             raise self._failed(e, peer, what) from None
 
-    def recv(self, shape: tuple, dtype: torch.dtype, peer: int, what: str) -> torch.Tensor:
-        """The next tensor ``peer`` sends (``shape``, ``dtype``), once it has arrived."""
+    def post(self, shape: tuple, dtype: torch.dtype, peer: int, what: str) -> "Incoming":
+        """Start receiving the next tensor ``peer`` sends (``shape``, ``dtype``); ``wait`` on
+        the answer returns it. Receives from one peer are matched in the order they are posted."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
         try:
-            dist.irecv(t, peer).wait()
+            work = dist.irecv(t, peer)
         except Exception as e:  # noqa: BLE001
             raise self._failed(e, peer, what) from None
-        self.reap()
-        return t
+        return Incoming(self, work, t, peer, what)
+
+    def recv(self, shape: tuple, dtype: torch.dtype, peer: int, what: str) -> torch.Tensor:
+        """The next tensor ``peer`` sends (``shape``, ``dtype``), once it has arrived."""
+        return self.post(shape, dtype, peer, what).wait()
 
     def reap(self, every: bool = False) -> None:
         """Wait for the sends that are done (``every``: for all of them)."""
@@ -114,3 +119,19 @@ class Peers:
         except Exception as e:  # noqa: BLE001
             raise HetplanError(f"{self.name}: collecting the stages' measurements failed: {_reason(e)}") from None
         return out
+
+
+class Incoming:
+    """A posted receive."""
+
+    def __init__(self, peers: Peers, work, tensor: torch.Tensor, peer: int, what: str):
+        self.peers, self.work, self.tensor, self.peer, self.what = peers, work, tensor, peer, what
+
+    def wait(self) -> torch.Tensor:
+        """The tensor, once it has arrived (and the sends that are done, reaped)."""
+        try:
+            self.work.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self.peers._failed(e, self.peer, self.what) from None
+        self.peers.reap()
+        return self.tensor

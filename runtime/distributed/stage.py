@@ -3,8 +3,12 @@ programs built, an executor over them; ``forward`` runs one phase for one step.
 
 The same preparation as a single-GPU run (``hetplan.runtime.session.run_plan``: the checks, the
 backend, ``Devices``, ``Residency``, ``build_program``, ``Executor``), for the part of the plan
-this process runs (``part.stage_part``): it reads and places only its own blocks' weights. Knows
-nothing about other processes.
+this process runs (``part.stage_part``): it reads and places only its own blocks' weights.
+
+Micro-batches: the stage holds one KV cache per micro-batch (the first is the residency's own,
+the others allocated beside it in the same tiers, counted by the same ledgers) and one copy of
+the weights; ``forward`` runs a pass over the caches of the micro-batch it names. Knows nothing
+about other processes.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from hetplan.runtime.executor import Executor
 from hetplan.runtime.kernels import quant
 from hetplan.runtime.residency import Residency, pinned_need_bytes
 from hetplan.runtime.weights import torch_dtype
+from hetplan.units import format_bytes
 
 
 class StageRunner:
     """The part of a stage a process runs (``part.stage_part``), placed."""
 
-    def __init__(self, part: Plan, source, mode: str, batch: int, name: str):
+    def __init__(self, part: Plan, source, mode: str, batch: int, name: str, micro_batches: int = 1):
         """``source``: the weights (``weight_source``); ``mode``: ``cuda``, ``emulated`` or
-        ``cpu`` (``session.choose_mode``); ``name``: how errors name the stage."""
+        ``cpu`` (``session.choose_mode``); ``name``: how errors name the stage; ``batch``: the
+        sequences of one micro-batch, of which ``micro_batches`` take turns."""
         spec, wl = part.model, part.workload
         self.name, self.mode = name, mode
         quantised = quant.is_quantised(spec.weight_dtype)
@@ -39,10 +45,14 @@ class StageRunner:
         if kinds - backend.kinds:
             raise HetplanError(f"{name}: stage kinds {sorted(kinds - backend.kinds)} have no implementation in "
                                f"the runtime's {spec.arch} backend")
-        check_free_memory(part.memory, mode, torch.cuda.mem_get_info()[0] if mode == "cuda" else None,
-                          host_available_bytes())
-        if mode == "cuda":
-            check_pinned_memory(pinned_need_bytes(part), host_available_bytes())
+        extra = extra_kv_bytes(part, micro_batches)
+        check_kv_room(part.memory, extra, micro_batches, mode, name)
+        check_free_memory(with_extra_kv(part.memory, extra), mode,
+                          torch.cuda.mem_get_info()[0] if mode == "cuda" else None, host_available_bytes())
+        if mode == "cuda":   # the further micro-batches' host caches that the GPU copies into are pinned too
+            kv_down = {t.block for t in part.schedule["prefill"].tasks if t.kind == "kv_down"}
+            more = (micro_batches - 1) * sum(int(p["kv_bytes"]) for p in part.placement if p["block"] in kv_down)
+            check_pinned_memory(pinned_need_bytes(part) + more, host_available_bytes())
         dtype = quant.compute_dtype(mode) if quantised else torch_dtype(spec.weight_dtype, "--weight-dtype")
         if quantised:
             backend.dtype = dtype
@@ -50,17 +60,35 @@ class StageRunner:
         self.devices = devices = Devices(mode, part.memory["gpu_budget_bytes"])
         for tier in ("cpu",) + (("gpu",) if mode != "cpu" else ()):
             backend.setup(devices.device(tier), wl.context_len)
-        self.residency = Residency(part, backend, source, devices, dtype, kv_cache.storage(spec.kv_dtype), batch,
+        kv_dtype = kv_cache.storage(spec.kv_dtype)
+        self.residency = Residency(part, backend, source, devices, dtype, kv_dtype, batch,
                                    wl.context_len)
+        self.kv_sets = [self.residency.kv] + [
+            self._more_kv(part, backend.kv_shapes(batch, wl.context_len), kv_dtype, i)
+            for i in range(1, micro_batches)]
+        """Per micro-batch: attention block -> its cache values (``Residency.kv``'s layout)."""
+        self.planned_bytes = {t: part.memory[f"{t}_bytes"] + extra[t] for t in ("gpu", "cpu")}
+        """Bytes the plan places in each tier, with the further micro-batches' KV caches."""
         kv_names = tuple(backend.kv_shapes(1, 1))
         self.programs = {ph: build_program(ph, part.schedule[ph], backend.reads, backend.writes, kv_names)
                          for ph in ("prefill", "decode")}
         self.executor = Executor(self.programs, backend, self.residency, devices)
         self.chunk = wl.prefill_chunk or 0
 
-    def forward(self, step: Step, inputs: dict) -> tuple[dict, float]:
-        """Run ``step``'s phase on ``inputs`` (value name -> tensor, anywhere) -> (outputs where
-        the stage left them, possibly in a buffer the next step reuses; seconds it was busy)."""
+    def _more_kv(self, part: Plan, shapes: dict, kv_dtype, micro: int) -> dict:
+        """Another micro-batch's caches, where and as the residency holds the first's."""
+        kv_down = {t.block for t in part.schedule["prefill"].tasks if t.kind == "kv_down"}
+        return {p["block"]: {name: kv_cache.allocate(self.devices, p["kv"], shape, kv_dtype,
+                                                     f"KV cache {name} of {p['block']} (micro-batch {micro})",
+                                                     pinned=p["block"] in kv_down)
+                             for name, shape in shapes.items()}
+                for p in part.placement if p["kv"] is not None}
+
+    def forward(self, step: Step, inputs: dict, micro: int = 0) -> tuple[dict, float]:
+        """Run ``step``'s phase of micro-batch ``micro`` (over its KV caches) on ``inputs``
+        (value name -> tensor, anywhere) -> (outputs where the stage left them, possibly in a
+        buffer the next step reuses; seconds it was busy)."""
+        self.residency.kv = self.kv_sets[micro]
         prog = self.programs[step.phase]
         given = {n: t.to(self.devices.device(prog.inputs[n])) for n, t in inputs.items()}
         t0 = time.perf_counter()
@@ -79,5 +107,33 @@ class StageRunner:
                     chunk=self.chunk if phase == "prefill" else 0)
 
     def close(self) -> None:
+        self.kv_sets = []
         self.executor.close()
         self.devices.close()
+
+
+def extra_kv_bytes(part: Plan, micro_batches: int) -> dict:
+    """Tier -> bytes of the KV caches of micro-batches 2..M: ``(M - 1) x`` the plan's KV bytes
+    in that tier (``placement[].kv_bytes``, one micro-batch's, where its ``kv`` says)."""
+    per = {"gpu": 0, "cpu": 0}
+    for p in part.placement:
+        if p["kv"] is not None:
+            per[p["kv"]] += int(p["kv_bytes"])
+    return {t: (micro_batches - 1) * b for t, b in per.items()}
+
+
+def with_extra_kv(memory: dict, extra: dict) -> dict:
+    return dict(memory, gpu_bytes=memory["gpu_bytes"] + extra["gpu"], cpu_bytes=memory["cpu_bytes"] + extra["cpu"])
+
+
+def check_kv_room(memory: dict, extra: dict, micro_batches: int, mode: str, name: str) -> None:
+    """Refuse micro-batches whose further KV caches do not fit the stage's GPU budget."""
+    if mode == "cpu" or not extra["gpu"]:
+        return
+    need, budget = memory["gpu_bytes"] + extra["gpu"], memory["gpu_budget_bytes"]
+    if need > budget:
+        per = extra["gpu"] // (micro_batches - 1)
+        fit = 1 + int((budget - memory["gpu_bytes"]) // per)
+        raise HetplanError(f"{name}: --micro-batches {micro_batches}: with a KV cache per micro-batch the stage "
+                           f"takes {format_bytes(need)} of GPU memory, over its budget of {format_bytes(budget)}; "
+                           f"run at most {fit} micro-batch(es), or recompile with a smaller --batch")

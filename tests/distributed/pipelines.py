@@ -46,10 +46,12 @@ def save_llama(directory) -> transformers.PreTrainedModel:
     return model
 
 
-def pipeline_plan(model_dir, node_path, cuts: list, strategies: list, wl: Workload, out_path) -> Plan:
+def pipeline_plan(model_dir, node_path, cuts: list, strategies: list, wl: Workload, out_path,
+                  objective: str = "sum") -> Plan:
     """The plan of ``model_dir`` as a pipeline of one stage per GPU: stage ``k``
     holds layers ``[cuts[k], cuts[k + 1])`` and is planned by ``strategies[k]`` (``all-gpu``,
-    ``stream``, ``ngl:N`` ...); written to ``out_path`` and read back (schema checked)."""
+    ``stream``, ``ngl:N`` ...); ``objective``: ``sum`` (latency) or ``max`` (throughput);
+    written to ``out_path`` and read back (schema checked)."""
     spec, hw = load_model(str(model_dir), "fp32"), load_node(str(node_path))
     req = CompileRequest(model=str(model_dir), hw=str(node_path))
     stages = []
@@ -62,7 +64,7 @@ def pipeline_plan(model_dir, node_path, cuts: list, strategies: list, wl: Worklo
                    "prefill_s": cost.peer_seconds(hidden_bytes(spec, wl, "prefill"), hw, s.gpu, t.gpu),
                    "decode_s": cost.peer_seconds(hidden_bytes(spec, wl, "decode"), hw, s.gpu, t.gpu)}
                   for s, t in zip(stages, stages[1:]))
-    pp = PipelinePlan(tuple(stages), links, wl, "sum", model=spec)
+    pp = PipelinePlan(tuple(stages), links, wl, objective, model=spec)
     # as hetplan compile writes it: the main part is the first stage's own plan
     whole = dataclasses.replace(stages[0].plan, pipeline=pp.to_dict())
     out_path.write_text(whole.to_json())
