@@ -16,12 +16,20 @@ holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of 
 ``t >= cold / (bw_cpu + bw_h2d)`` (every MoE layer routed alike, as without a routing profile);
 the MoE stages of the chain take at least that together, the other stages their own times
 besides: ``t >= chain_dense + max(chain_moe, cold / (bw_cpu + bw_h2d))``.
+Last, the bytes read beyond ``cap`` (``nbytes - cap``) are each either copied over the link or
+read by the CPU while it computes with them, and the CPU reads at most ``r`` bytes a second,
+``r`` the highest bytes-per-CPU-second of any stage in the range (a dense stage's ``bytes /
+cpu_s``; an MoE stage's ``min(bw_cpu, peak_cpu * max(bytes / flops))`` over its experts, shared
+experts and router, any of which may go to the CPU): ``t >= (nbytes - cap) / (bw_h2d + r)``.
+In a prefill the CPU is compute-bound, so ``r`` is far below its DRAM bandwidth and a stage
+that does not fit in HBM is seen to cost what it does.
 The totals come from prefix sums over one whole-model problem per kind of device, so a bound
 costs a few additions. Knows nothing about how stages are chosen or solved.
 """
 
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 
 from hetplan.bounds import work_lower_bound_s
@@ -44,14 +52,17 @@ class StageBound:
                     for b in problem.graph.blocks}
         self.spec, self.hw, self.n_layers = spec, hw, L
         self.cap = problem.gpu_budget_bytes
-        self.prefix = {}
+        self.prefix, self.rate = {}, {}
         for phase in PHASES:
             nbytes, flops, chain, moe = ([0.0] * (L + 2) for _ in range(4))
+            rate = [0.0] * (L + 2)
             for sc in problem.stages[phase]:
                 st = sc.stage
                 nbytes[position[st.block]] += st.work.bytes
                 flops[position[st.block]] += st.work.flops
                 (moe if st.kind == "moe" else chain)[position[st.block]] += self._chain_s(sc, problem)
+                rate[position[st.block]] = max(rate[position[st.block]], self._cpu_rate(sc, problem, phase))
+            self.rate[phase] = _range_max(rate)
             if phase == "prefill" and wl.n_chunks > 1:
                 chain, moe = [0.0] * (L + 2), [0.0] * (L + 2)
             self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe))
@@ -72,6 +83,24 @@ class StageBound:
             fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap))
         return fastest
 
+    def _cpu_rate(self, sc, problem, phase: str) -> float:
+        """The most bytes a second the CPU reads running (any part of) stage ``sc``."""
+        st = sc.stage
+        layer = problem.experts.get(phase, {}).get(st.block) if st.kind == "moe" else None
+        if layer is None:
+            return st.work.bytes / sc.cpu_s if sc.cpu_s > 0 else math.inf
+        parts = [(w + 2 * r, f) for w, r, f in zip(layer.wbytes, layer.rows, layer.flops)]
+        parts += [(layer.shared_bytes, layer.shared_flops), (layer.route_bytes, layer.route_flops)]
+        ratio = max((b / f if f > 0 else math.inf) for b, f in parts if b > 0)
+        return min(layer.cpu.bytes_per_s, layer.cpu.flops_per_s * ratio)
+
+    def overflow_s(self, phase: str, first: int, end: int, nbytes: float) -> float:
+        """The bytes beyond HBM over the link and the CPU together (module docstring)."""
+        hw = self.hw
+        if hw.gpu is None or nbytes <= self.cap:
+            return 0.0
+        return (nbytes - self.cap) / (hw.h2d_bytes_per_s * hw.efficiency["link"] + self.rate[phase][first][end])
+
     def phase_s(self, phase: str, a: int, b: int) -> float:
         """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
         first, end = (0 if a == 0 else a + 1), (b + 2 if b == self.n_layers else b + 1)
@@ -79,7 +108,8 @@ class StageBound:
         cold = self.cold_experts_s(first, end) if phase == "decode" else 0.0
         return max(chain[end] - chain[first] + max(moe[end] - moe[first], cold),
                    work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
-                                      self.cap))
+                                      self.cap),
+                   self.overflow_s(phase, first, end, nbytes[end] - nbytes[first]))
 
     def cold_experts_s(self, first: int, end: int) -> float:
         """Decode: the expected bytes of the experts HBM cannot hold, over DRAM and the link."""
@@ -99,3 +129,15 @@ class StageBound:
 
     def __call__(self, a: int, b: int) -> tuple:
         return self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
+
+
+def _range_max(values: list) -> list:
+    """``out[i][j]`` = max of ``values[i:j]`` (0 when empty), every ``i <= j``."""
+    out = []
+    for i in range(len(values) + 1):
+        row, m = [0.0] * (len(values) + 1), 0.0
+        for j in range(i, len(values)):
+            m = max(m, values[j])
+            row[j + 1] = m
+        out.append(row)
+    return out

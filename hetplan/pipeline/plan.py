@@ -133,7 +133,6 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     only where their cheap lower bound (``StageBound``) cannot rule them out; a stage's seconds
     are what the workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``)."""
     from hetplan.solvers.pipeline import best_split
-    from hetplan.solvers.split_mode import layer_stages
 
     topo = Topology.of(hw)
     devices = topo.devices
@@ -173,9 +172,10 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         return seconds(*(topo.hop(devices[j], devices[k], hidden_bytes(spec, wl, ph))[1]
                          for ph in ("prefill", "decode")))
 
-    free = [m.gpu_budget_bytes() if m.gpus else m.cpu_budget_bytes() for m in machines]
-    seed = layer_stages(L, free)  # llama.cpp's split: the first incumbent
-    split = best_split(L, len(devices), stage, link, objective, lower, seed)
+    def known(k, a, b):
+        return stage(k, a, b) if key(k, a, b) in plans else None
+
+    split = best_split(L, len(devices), stage, link, objective, lower, known)
     if split is None:
         raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(devices)} devices of "
                               f"{topo.name!r} fits (each stage's GPU, with its host's DRAM)")
