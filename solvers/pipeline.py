@@ -26,8 +26,8 @@ is made of priced stages only, its cost is its true cost and no split is cheaper
 optimum. Otherwise its unpriced stages are priced and the DP runs again. Exact for any valid
 ``lower``; the tighter it is, the fewer stages are priced. Two things tighten it for free:
 
-- ``known(k, a, b)``: a stage's price when it costs nothing to know (the caller's cache: equal
-  GPUs share prices), so that a price learnt on one GPU serves all of its kind;
+- ``key(k, a, b)``: stages with equal keys cost the same (equal GPUs, equal layers), so a price
+  learnt for one serves them all;
 - with ``monotone=True`` (a stage's price never decreases as it takes more layers, which an
   exact single-device solve satisfies: a plan for more layers, less one, still runs), every
   stage costs at least the dearest priced stage it contains on the same GPU.
@@ -48,7 +48,7 @@ class Split:
     """(gpu, first_layer, end_layer) per used GPU, in pipeline order."""
     cost_s: float
     priced: int = 0
-    """How many stages the search priced (called ``stage`` on)."""
+    """How many stages the search priced (called ``stage`` on; one per key)."""
 
 
 def combine(objective: str, *parts: float) -> float:
@@ -56,85 +56,80 @@ def combine(objective: str, *parts: float) -> float:
 
 
 def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, objective: str = "sum",
-               lower: Callable | None = None, known: Callable | None = None,
+               lower: Callable | None = None, key: Callable | None = None,
                monotone: bool = True) -> Split | None:
     """The cheapest split of ``n_layers`` layers over GPUs ``0..n_gpus-1``; None when none fits.
-    ``lower(k, a, b)``: a cheap lower bound on ``stage(k, a, b)`` (default 0); ``known(k, a, b)``:
-    the stage's price when the caller already holds it, else None; ``monotone``: prices never
-    decrease as a stage takes more layers (see the module docstring)."""
+    ``lower(k, a, b)``: a cheap lower bound on ``stage(k, a, b)`` (default 0); ``key(k, a, b)``:
+    stages with equal keys cost the same (equal GPUs, equal layers), so one is priced for all;
+    ``monotone``: prices never decrease as a stage takes more layers (module docstring)."""
     if objective not in ("sum", "max"):
         raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
     L, K = n_layers, n_gpus
-    bound = {(k, a, b): (lower(k, a, b) if lower else 0.0)
-             for k in range(K) for a in range(L) for b in range(a + 1, L + 1)}
+    every = [(k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)]
+    keys = {s: key(*s) if key else s for s in every}
+    bound = {s: lower(*s) if lower else 0.0 for s in every}
     links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
-    price: dict = {}
-    calls = 0
+    price: dict = {}  # key -> seconds
     while True:
-        if known is not None:
-            for s in bound:
-                if s not in price:
-                    got = known(*s)
-                    if got is not None:
-                        price[s] = got
-        optimistic = _optimistic(bound, price, L, K, monotone)
+        optimistic = {s: price.get(keys[s], bound[s]) for s in every}
+        if monotone:
+            _raise_to_contained(optimistic, {s for s in every if keys[s] in price}, L, K)
         cost, stages = _cheapest(optimistic, links, L, K, objective)
         if not stages:
             return None
-        unpriced = [s for s in stages if s not in price]
+        unpriced = [s for s in stages if keys[s] not in price]
         if not unpriced:
-            return Split(stages, cost, calls)
+            return Split(stages, cost, len(price))
         for s in unpriced:
-            price[s] = stage(*s)
-            calls += 1
+            if keys[s] not in price:
+                price[keys[s]] = stage(*s)
 
 
-def _optimistic(bound: dict, price: dict, L: int, K: int, monotone: bool) -> dict:
-    """Each stage's price where known, else its lower bound, raised (``monotone``) to the
-    dearest priced stage it contains on the same GPU: ``m(a, b) = max(price(a, b), m(a+1, b),
-    m(a, b-1))`` over the priced ones, shortest stages first."""
-    out = {s: price.get(s, v) for s, v in bound.items()}
-    if not monotone:
-        return out
+def _raise_to_contained(cost: dict, priced: set, L: int, K: int) -> None:
+    """Raise each stage's ``cost`` to the dearest priced stage it contains on the same GPU:
+    ``m(a, b) = max(price(a, b), m(a+1, b), m(a, b-1))``, shortest stages first."""
     for k in range(K):
-        inner: dict = {}
+        inner = [[-math.inf] * (L + 1) for _ in range(L + 1)]  # inner[a][b]
         for n in range(1, L + 1):
             for a in range(L - n + 1):
                 b = a + n
-                m = price.get((k, a, b), -math.inf)
+                m = cost[k, a, b] if (k, a, b) in priced else -math.inf
                 if n > 1:
-                    m = max(m, inner[a + 1, b], inner[a, b - 1])
-                inner[a, b] = m
-                if m > out[k, a, b]:
-                    out[k, a, b] = m
-    return out
+                    m = max(m, inner[a + 1][b], inner[a][b - 1])
+                inner[a][b] = m
+                if m > cost[k, a, b]:
+                    cost[k, a, b] = m
 
 
 def _cheapest(cost: dict, links: dict, L: int, K: int, objective: str) -> tuple:
     """The DP of the module docstring over ``cost`` -> (seconds, stages); (inf, ()) when every
-    split costs inf. Ties go to fewer stages, then to the first found."""
+    split costs inf. ``into[a][k]`` is the bracket: the cheapest way to hand layer ``a`` to GPU
+    ``k`` from an earlier GPU. Ties go to fewer stages, then to the first found."""
     inf = (math.inf, 0, ())
     best = [[inf] * K for _ in range(L + 1)]  # best[b][k]: (seconds, n stages, stages)
+    into = [[inf] * K for _ in range(L + 1)]
+    add = (lambda x, y: x + y) if objective == "sum" else max
     for b in range(1, L + 1):
         for k in range(K):
             top = (cost[k, 0, b], 1, ((k, 0, b),))
             for a in range(1, b):
+                t, n, st = into[a][k]
                 c = cost[k, a, b]
-                if c == math.inf:
+                if t == math.inf or c == math.inf:
                     continue
-                before = inf
-                for j in range(k):
-                    t, n, st = best[a][j]
-                    if t == math.inf:
-                        continue
-                    cand = (combine(objective, t, links[j, k]), n, st)
-                    if cand[:2] < before[:2]:
-                        before = cand
-                if before[0] == math.inf:
-                    continue
-                cand = (combine(objective, before[0], c), before[1] + 1, before[2] + ((k, a, b),))
-                if cand[:2] < top[:2]:
-                    top = cand
+                t = add(t, c)
+                if t < top[0] or (t == top[0] and n + 1 < top[1]):
+                    top = (t, n + 1, st + ((k, a, b),))
             best[b][k] = top
+        for k in range(1, K):
+            here = inf
+            for j in range(k):
+                t, n, st = best[b][j]
+                if t == math.inf:
+                    continue
+                t = add(t, links[j, k])
+                if t < here[0] or (t == here[0] and n < here[1]):
+                    here = (t, n, st)
+            into[b][k] = here
     t, _, stages = min((best[L][k] for k in range(K)), key=lambda x: x[:2])
     return (t, stages) if t < math.inf else (math.inf, ())

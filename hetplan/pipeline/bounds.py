@@ -8,7 +8,8 @@ KV left out: a larger cap only weakens the bound). Nor can it beat its *chain* b
 decode step (and a prompt prefilled in one chunk) is a chain, each stage of a block starting
 after the one before it ends, so it takes at least the sum over its stages of the faster of
 the stage's GPU and CPU times (an MoE stage, which may split its experts between the two
-devices and run both halves at once, at least its own physical bound). A prompt in several
+devices and run both halves at once, at least the least of its split times, the expected
+durations the planner prices each split at; its physical bound where it has none). A prompt in several
 chunks may overlap chunks on the two devices, so its prefill keeps the physical bound alone.
 And a decode step of an MoE stage reads its routed experts' expected bytes (``wbytes``): HBM
 holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of all the others
@@ -60,7 +61,7 @@ class StageBound:
                 st = sc.stage
                 nbytes[position[st.block]] += st.work.bytes
                 flops[position[st.block]] += st.work.flops
-                (moe if st.kind == "moe" else chain)[position[st.block]] += self._chain_s(sc, problem)
+                (moe if st.kind == "moe" else chain)[position[st.block]] += self._chain_s(sc, problem, phase)
                 rate[position[st.block]] = max(rate[position[st.block]], self._cpu_rate(sc, problem, phase))
             self.rate[phase] = _range_max(rate)
             if phase == "prefill" and wl.n_chunks > 1:
@@ -73,12 +74,18 @@ class StageBound:
             self.moe[position[name]] += 1
         self.moe = list(accumulate(self.moe, initial=0))
         self.experts = next(iter(layers.values())) if alike else None
+        self._cold: dict = {}
 
-    def _chain_s(self, sc, problem) -> float:
+    def _chain_s(self, sc, problem, phase: str) -> float:
         """The least time stage ``sc`` can take on this device: the faster of GPU and CPU (the
-        CPU alone on a machine without a GPU); an MoE stage at most its physical bound."""
+        CPU alone on a machine without a GPU); an MoE stage with its experts split between the
+        two at least its least split time (``ExpertLayer.split_times``, what the planner prices a
+        resident MoE block at), else at least its physical bound."""
         fastest = min(sc.gpu_s, sc.cpu_s) if problem.has_gpu else sc.cpu_s
         if sc.stage.kind == "moe":
+            layer = problem.experts.get(phase, {}).get(sc.stage.block)
+            if layer is not None:  # its experts split between the devices: the least split time
+                return min(fastest, min(layer.split_times))
             work = sc.stage.work
             fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap))
         return fastest
@@ -116,16 +123,23 @@ class StageBound:
         e, hw = self.experts, self.hw
         if e is None or hw.gpu is None:
             return 0.0
-        n_moe = self.moe[end] - self.moe[first]
-        held = int(self.cap // e.expert_bytes) if e.expert_bytes > 0 else 0
-        # every layer's experts alike: the hottest rank of each layer first, then the next, ...
-        cold, left = 0.0, held
+        eff = hw.efficiency
+        return self._cold_bytes(self.moe[end] - self.moe[first]) / (hw.cpu.mem_bytes_per_s * eff["cpu_mem"]
+                                                                    + hw.h2d_bytes_per_s * eff["link"])
+
+    def _cold_bytes(self, n_moe: int) -> float:
+        """Expected bytes of the experts ``n_moe`` alike layers leave out of HBM when it holds the
+        hottest rank of each layer first, then the next, ... (cached per ``n_moe``)."""
+        if n_moe in self._cold:
+            return self._cold[n_moe]
+        e = self.experts
+        cold, left = 0.0, int(self.cap // e.expert_bytes) if e.expert_bytes > 0 else 0
         for w in sorted(e.wbytes, reverse=True):
             resident = min(n_moe, left)
             left -= resident
             cold += (n_moe - resident) * w
-        eff = hw.efficiency
-        return cold / (hw.cpu.mem_bytes_per_s * eff["cpu_mem"] + hw.h2d_bytes_per_s * eff["link"])
+        self._cold[n_moe] = cold
+        return cold
 
     def __call__(self, a: int, b: int) -> tuple:
         return self.phase_s("prefill", a, b), self.phase_s("decode", a, b)

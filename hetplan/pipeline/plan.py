@@ -172,10 +172,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         return seconds(*(topo.hop(devices[j], devices[k], hidden_bytes(spec, wl, ph))[1]
                          for ph in ("prefill", "decode")))
 
-    def known(k, a, b):
-        return stage(k, a, b) if key(k, a, b) in plans else None
-
-    split = best_split(L, len(devices), stage, link, objective, lower, known)
+    split = best_split(L, len(devices), stage, link, objective, lower, key)
     if split is None:
         raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(devices)} devices of "
                               f"{topo.name!r} fits (each stage's GPU, with its host's DRAM)")
