@@ -32,7 +32,7 @@ optimum. Otherwise its unpriced stages are priced and the DP runs again. Exact f
   exact single-device solve satisfies: a plan for more layers, less one, still runs), every
   stage costs at least the dearest priced stage it contains on the same GPU.
 
-Ties go to fewer stages.
+Ties (costs within ``TIE``) go to fewer stages, then to the smaller slowest stage or link.
 """
 
 from __future__ import annotations
@@ -104,32 +104,50 @@ def _raise_to_contained(cost: dict, priced: set, L: int, K: int) -> None:
 def _cheapest(cost: dict, links: dict, L: int, K: int, objective: str) -> tuple:
     """The DP of the module docstring over ``cost`` -> (seconds, stages); (inf, ()) when every
     split costs inf. ``into[a][k]`` is the bracket: the cheapest way to hand layer ``a`` to GPU
-    ``k`` from an earlier GPU. Ties go to fewer stages, then to the first found."""
-    inf = (math.inf, 0, ())
-    best = [[inf] * K for _ in range(L + 1)]  # best[b][k]: (seconds, n stages, stages)
+    ``k`` from an earlier GPU. Costs within ``TIE`` of each other tie; ties go to fewer stages,
+    then to the smaller slowest part (balanced stages: the same latency, a faster pipeline)."""
+    inf = (math.inf, 0, math.inf, ())
+    best = [[inf] * K for _ in range(L + 1)]  # best[b][k]: (seconds, n stages, slowest part, stages)
     into = [[inf] * K for _ in range(L + 1)]
     add = (lambda x, y: x + y) if objective == "sum" else max
     for b in range(1, L + 1):
         for k in range(K):
-            top = (cost[k, 0, b], 1, ((k, 0, b),))
+            top = (cost[k, 0, b], 1, cost[k, 0, b], ((k, 0, b),))
             for a in range(1, b):
-                t, n, st = into[a][k]
+                t, n, m, st = into[a][k]
                 c = cost[k, a, b]
                 if t == math.inf or c == math.inf:
                     continue
-                t = add(t, c)
-                if t < top[0] or (t == top[0] and n + 1 < top[1]):
-                    top = (t, n + 1, st + ((k, a, b),))
+                cand = (add(t, c), n + 1, max(m, c), st + ((k, a, b),))
+                if _better(cand, top):
+                    top = cand
             best[b][k] = top
         for k in range(1, K):
             here = inf
             for j in range(k):
-                t, n, st = best[b][j]
+                t, n, m, st = best[b][j]
                 if t == math.inf:
                     continue
-                t = add(t, links[j, k])
-                if t < here[0] or (t == here[0] and n < here[1]):
-                    here = (t, n, st)
+                cand = (add(t, links[j, k]), n, max(m, links[j, k]), st)
+                if _better(cand, here):
+                    here = cand
             into[b][k] = here
-    t, _, stages = min((best[L][k] for k in range(K)), key=lambda x: x[:2])
-    return (t, stages) if t < math.inf else (math.inf, ())
+    top = inf
+    for k in range(K):
+        if _better(best[L][k], top):
+            top = best[L][k]
+    return (top[0], top[3]) if top[0] < math.inf else (math.inf, ())
+
+
+TIE = 1e-12
+"""Relative difference below which two costs are equal (sums in another order round apart)."""
+
+
+def _better(x: tuple, y: tuple) -> bool:
+    """``x`` (seconds, stages used, slowest part, ...) before ``y``: cheaper beyond ``TIE``, else
+    fewer stages, else a smaller slowest part."""
+    if x[0] < y[0] * (1 - TIE) or y[0] == math.inf:
+        return x[0] < y[0]
+    if x[0] > y[0] * (1 + TIE):
+        return False
+    return x[1:3] < y[1:3]

@@ -47,6 +47,9 @@ class PipelinePlan:
     model: ModelSpec | None = None
     """The whole model the stages cut (plan.json's ``pipeline.model``: a pipeline plan's main part
     is its first stage's layers alone)."""
+    replicas: int = 1
+    """Alike groups of devices each running these stages on sequences of their own
+    (``hetplan.pipeline.replicas``); ``stages`` are the first group's."""
 
     def phase_s(self, phase: str) -> float:
         """One pass of ``phase`` through every stage and link in turn."""
@@ -59,11 +62,18 @@ class PipelinePlan:
         return max([s.plan.predicted[key] for s in self.stages] + [l[f"{phase}_s"] for l in self.links])
 
     def predicted(self) -> dict:
-        wl = self.workload
+        """A sequence's times, and the rates of every replica together (``replicas`` x one's)."""
+        wl, r = self.workload, self.replicas
         ttft, tpot = self.phase_s("prefill"), self.phase_s("decode")
         return {"ttft_s": ttft, "tpot_s": tpot, "latency_s": ttft + wl.gen_len * tpot,
-                "decode_tokens_per_s": wl.batch / tpot, "prefill_tokens_per_s": wl.batch * wl.prompt_len / ttft,
-                "pipelined_decode_tokens_per_s": wl.batch / self.bottleneck_s("decode")}
+                "decode_tokens_per_s": r * wl.batch / tpot,
+                "prefill_tokens_per_s": r * wl.batch * wl.prompt_len / ttft,
+                "pipelined_decode_tokens_per_s": r * wl.batch / self.bottleneck_s("decode")}
+
+    def seconds_per_sequence(self) -> float:
+        """``objective_s`` over the sequences every replica runs at once: what a throughput search
+        over batch sizes and replica counts compares."""
+        return self.objective_s() / (self.workload.batch * self.replicas)
 
     def objective_s(self) -> float:
         """The seconds the split minimised (as ``alone`` states them)."""
@@ -82,7 +92,9 @@ class PipelinePlan:
              "links": [_link_dict(l, cluster) for l in self.links],
              "predicted": self.predicted()}
         if topo is not None:
-            d["devices"] = len(topo.devices)
+            d["devices"] = len(topo.devices) * self.replicas
+        if self.replicas > 1:
+            d["replicas"] = self.replicas
         if topo is not None and topo.network is not None:
             d["network"] = {"name": topo.name, "bytes_per_s": topo.network.bytes_per_s,
                             "latency_s": topo.network.latency_s}
@@ -90,7 +102,7 @@ class PipelinePlan:
             d["model"] = self.model.to_dict()
         if self.alone is not None:
             d["single_device"] = {"objective_s": self.alone[0], "exact": self.alone[1],
-                                  "pipeline_objective_s": self.objective_s()}
+                                  "pipeline_objective_s": self.objective_s() / self.replicas}
         return d
 
 
@@ -230,7 +242,7 @@ def _alone(k: int, stage, lower, L: int, best_s: float):
     """(seconds, exact) of the whole model on device ``k`` alone: its price when the DP priced
     it or it can beat ``best_s``, else its lower bound (no solve); None when it does not fit."""
     bound = lower(k, 0, L)
-    exact = stage(k, 0, L) if bound <= best_s else None
+    exact = stage(k, 0, L) if bound <= best_s * (1 + 1e-9) else None  # a bound as tight as the price
     if exact is not None:
         return None if exact == math.inf else (exact, True)
     return (bound, False)

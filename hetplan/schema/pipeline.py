@@ -83,10 +83,10 @@ class PipelinePredicted(Strict):
     ttft_s: Seconds = Field(description="every stage's prefill and link in turn")
     tpot_s: Seconds = Field(description="every stage's decode and link in turn")
     latency_s: Seconds = Field(description="ttft + gen_len x tpot")
-    decode_tokens_per_s: TokenRate = Field(description="batch / tpot")
-    prefill_tokens_per_s: TokenRate = Field(description="batch x prompt_len / ttft")
+    decode_tokens_per_s: TokenRate = Field(description="replicas x batch / tpot")
+    prefill_tokens_per_s: TokenRate = Field(description="replicas x batch x prompt_len / ttft")
     pipelined_decode_tokens_per_s: TokenRate = Field(
-        description="batch / the slowest stage or link: micro-batches filling every stage")
+        description="replicas x batch / the slowest stage or link: micro-batches filling every stage")
 
 
 class PipelineNetwork(Strict):
@@ -99,7 +99,8 @@ class SingleDevice(Strict):
     objective_s: Seconds = Field(description="the best single device's objective seconds (a lower bound "
                                  "when not exact)")
     exact: bool = Field(description="true: a solved plan's; false: a lower bound, too slow to compete")
-    pipeline_objective_s: Seconds = Field(description="the pipeline's, in the same seconds")
+    pipeline_objective_s: Seconds = Field(description="the pipeline's, in the same seconds (with replicas: "
+                                          "one replica's over their number)")
 
 
 class SplitBaseline(Strict):
@@ -124,6 +125,9 @@ class Pipeline(Strict):
     model: Model | None = Field(None, description="the whole model the stages cut (the plan's own `model` is "
                                 "its first stage's layers); absent: the plan's own")
     devices: count(1 << 20) | None = Field(None, description="devices the stages were chosen from")
+    replicas: count(1 << 20, 1) | None = Field(None, description="alike groups of devices, each running these "
+                                               "stages (the first group's) on sequences of its own; the "
+                                               "predicted rates are all of them together (absent: 1)")
     network: PipelineNetwork | None = Field(None, description="between the nodes of a cluster")
     single_device: SingleDevice | None = Field(None, description="the whole model on the best single device")
     baselines: dict[Annotated[str, Field(max_length=100)], SplitBaseline] | None = Field(
