@@ -119,7 +119,8 @@ def _stage_dict(s: StagePlan, cluster: bool) -> dict:
 
 
 def _link_dict(l: dict, cluster: bool) -> dict:
-    d = {"kind": l["kind"], "prefill_s": l["prefill_s"], "decode_s": l["decode_s"]}
+    d = {"kind": l["kind"], "prefill_s": l["prefill_s"], "decode_s": l["decode_s"],
+         "legs": [{"via": v, "bytes_per_s": r, "latency_s": t} for v, r, t in l["legs"]]}
     for end in ("from", "to"):
         if l[end] is not None:
             d[f"{end}_gpu"] = l[end]
@@ -223,7 +224,8 @@ def _links(topo: Topology, spec: ModelSpec, wl: Workload, stages) -> tuple:
         return topo.hop(s.device, t.device, hidden_bytes(spec, wl, phase))
     return tuple({"from": s.gpu, "to": t.gpu, "from_node": s.node, "to_node": t.node,
                   "kind": hop(s, t, "decode")[0], "prefill_s": hop(s, t, "prefill")[1],
-                  "decode_s": hop(s, t, "decode")[1]} for s, t in zip(stages, stages[1:]))
+                  "decode_s": hop(s, t, "decode")[1], "legs": topo.legs(s.device, t.device)}
+                 for s, t in zip(stages, stages[1:]))
 
 
 def check_dram(spec: ModelSpec, topo: Topology, stages) -> None:

@@ -68,6 +68,13 @@ class PipelineStage(Strict):
                                    "(absent in plans written before it was recorded)")
 
 
+class LinkLeg(Strict):
+    via: Literal["nvlink", "nvswitch", "pcie", "d2h", "h2d", "network"] = Field(
+        description="a peer link, a copy out of or into a GPU, or the network between nodes")
+    bytes_per_s: LinkRate = Field(description="what it achieves (bandwidth x the link efficiency)")
+    latency_s: quantity("s", 1.0) = Field(description="per message")
+
+
 class PipelineLink(Strict):
     from_gpu: count(1023) | None = Field(None, description="the stage handing on (absent: a CPU stage)")
     to_gpu: count(1023) | None = Field(None, description="the stage receiving (absent: a CPU stage)")
@@ -77,6 +84,9 @@ class PipelineLink(Strict):
         description="the link between them (network: between two nodes)")
     prefill_s: Seconds = Field(description="the prompt's hidden state across it")
     decode_s: Seconds = Field(description="one token's hidden state across it")
+    legs: Annotated[list[LinkLeg], Field(max_length=3)] | None = Field(
+        None, description="what it is made of, in turn, each leg taking bytes / bytes_per_s + latency_s (the "
+        "simulator restates prefill_s and decode_s from them; absent in plans written before)")
 
 
 class PipelinePredicted(Strict):
