@@ -119,8 +119,9 @@ def _stage_dict(s: StagePlan, cluster: bool) -> dict:
 
 
 def _link_dict(l: dict, cluster: bool) -> dict:
-    d = {"kind": l["kind"], "prefill_s": l["prefill_s"], "decode_s": l["decode_s"],
-         "legs": [{"via": v, "bytes_per_s": r, "latency_s": t} for v, r, t in l["legs"]]}
+    d = {"kind": l["kind"], "prefill_s": l["prefill_s"], "decode_s": l["decode_s"]}
+    if l.get("legs") is not None:
+        d["legs"] = [{"via": v, "bytes_per_s": r, "latency_s": t} for v, r, t in l["legs"]]
     for end in ("from", "to"):
         if l[end] is not None:
             d[f"{end}_gpu"] = l[end]
