@@ -51,10 +51,6 @@ class Split:
     """How many stages the search priced (called ``stage`` on; one per key)."""
 
 
-def combine(objective: str, *parts: float) -> float:
-    return sum(parts) if objective == "sum" else max(parts)
-
-
 def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, objective: str = "sum",
                lower: Callable | None = None, key: Callable | None = None,
                monotone: bool = True) -> Split | None:

@@ -24,6 +24,11 @@ cpu_s``; an MoE stage's ``min(bw_cpu, peak_cpu * max(bytes / flops))`` over its 
 experts and router, any of which may go to the CPU): ``t >= (nbytes - cap) / (bw_h2d + r)``.
 In a prefill the CPU is compute-bound, so ``r`` is far below its DRAM bandwidth and a stage
 that does not fit in HBM is seen to cost what it does.
+A step takes at least its chain and at least its link's busy time, so at least any weighted
+mean of the two, ``t >= (1 - w) chain + w link`` (``w = LINK_WEIGHT``); charged to each block's
+cheapest way of running, a streamed MoE block then costs its GPU time plus ``w / (1 - w)``
+times its weights' load over the link, so that the least expert-split time (resident) is what
+an MoE stage costs in the chain (the plain chain bound must allow it streamed at its GPU time).
 The totals come from prefix sums over one whole-model problem per kind of device, so a bound
 costs a few additions. Knows nothing about how stages are chosen or solved.
 """
@@ -40,6 +45,8 @@ from hetplan.problem import build_problem
 from hetplan.workload import Workload
 
 PHASES = ("prefill", "decode")
+LINK_WEIGHT = 0.01
+"""``w`` of the weighted bound ``t >= (1 - w) chain + w link`` (module docstring)."""
 
 
 class StageBound:
@@ -55,18 +62,19 @@ class StageBound:
         self.cap = problem.gpu_budget_bytes
         self.prefix, self.rate = {}, {}
         for phase in PHASES:
-            nbytes, flops, chain, moe = ([0.0] * (L + 2) for _ in range(4))
+            nbytes, flops, chain, moe, priced = ([0.0] * (L + 2) for _ in range(5))
             rate = [0.0] * (L + 2)
             for sc in problem.stages[phase]:
-                st = sc.stage
-                nbytes[position[st.block]] += st.work.bytes
-                flops[position[st.block]] += st.work.flops
-                (moe if st.kind == "moe" else chain)[position[st.block]] += self._chain_s(sc, problem, phase)
-                rate[position[st.block]] = max(rate[position[st.block]], self._cpu_rate(sc, problem, phase))
+                st, at = sc.stage, position[sc.stage.block]
+                nbytes[at] += st.work.bytes
+                flops[at] += st.work.flops
+                (moe if st.kind == "moe" else chain)[at] += self._chain_s(sc, problem, phase)
+                priced[at] += self._chain_s(sc, problem, phase, streamed_s=problem.load_s.get(st.block))
+                rate[at] = max(rate[at], self._cpu_rate(sc, problem, phase))
             self.rate[phase] = _range_max(rate)
             if phase == "prefill" and wl.n_chunks > 1:
-                chain, moe = [0.0] * (L + 2), [0.0] * (L + 2)
-            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe))
+                chain, moe, priced = [0.0] * (L + 2), [0.0] * (L + 2), [0.0] * (L + 2)
+            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe, priced))
         layers = problem.experts.get("decode", {})
         alike = len({(e.wbytes, e.expert_bytes) for e in layers.values()}) == 1
         self.moe = [0] * (L + 2)
@@ -76,7 +84,7 @@ class StageBound:
         self.experts = next(iter(layers.values())) if alike else None
         self._cold: dict = {}
 
-    def _chain_s(self, sc, problem, phase: str) -> float:
+    def _chain_s(self, sc, problem, phase: str, streamed_s: float | None = None) -> float:
         """The least time stage ``sc`` can take on this device: the faster of GPU and CPU (the
         CPU alone on a machine without a GPU); an MoE stage with its experts split between the
         two at least its least split time (``ExpertLayer.split_times``, what the planner prices a
@@ -85,6 +93,8 @@ class StageBound:
         if sc.stage.kind == "moe":
             layer = problem.experts.get(phase, {}).get(sc.stage.block)
             if layer is not None:  # its experts split between the devices: the least split time
+                if streamed_s is not None:  # streamed, it computes on the GPU and loads over the link
+                    fastest = min(sc.cpu_s, sc.gpu_s + LINK_WEIGHT / (1 - LINK_WEIGHT) * streamed_s)
                 return min(fastest, min(layer.split_times))
             work = sc.stage.work
             fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap))
@@ -111,9 +121,10 @@ class StageBound:
     def phase_s(self, phase: str, a: int, b: int) -> float:
         """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
         first, end = (0 if a == 0 else a + 1), (b + 2 if b == self.n_layers else b + 1)
-        nbytes, flops, chain, moe = self.prefix[phase]
+        nbytes, flops, chain, moe, priced = self.prefix[phase]
         cold = self.cold_experts_s(first, end) if phase == "decode" else 0.0
         return max(chain[end] - chain[first] + max(moe[end] - moe[first], cold),
+                   (1 - LINK_WEIGHT) * (priced[end] - priced[first]),
                    work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
                                       self.cap),
                    self.overflow_s(phase, first, end, nbytes[end] - nbytes[first]))
