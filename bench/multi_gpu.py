@@ -3,7 +3,8 @@ llama.cpp's ``--split-mode layer`` (default ``--tensor-split``, by free memory),
 compile times.
 
     python bench/multi_gpu.py                  # 70B on 2x3090-128g, Qwen2.5-72B on 4xdesktop-10gbe
-    python bench/multi_gpu.py --deepseek       # and deepseek-v3 on 8xh100 (slow: see RESULTS.md)
+    python bench/multi_gpu.py --deepseek       # and deepseek-v3 on 8xh100
+    python bench/multi_gpu.py --replicas       # only --objective throughput: replicas against one pipeline
 
 For each case it compiles once on the multi-device machine (``hetplan compile``'s library call:
 the pipeline, its first stage as the main part, the llama.cpp split priced beside it) and once
@@ -40,10 +41,43 @@ def row(label: str, pred: dict, wall: float | None, cpu: float | None) -> str:
             f"{pred['decode_tokens_per_s']:.2f} | {pred['prefill_tokens_per_s']:.1f} | {took} |")
 
 
+REPLICA_CASES = [("llama-3.1-8b", "4xa100-80g", 8), ("llama-3.1-70b", "8xh100", 8)]
+
+
+def replicas_case(model: str, hw: str, batch: int) -> None:
+    """``--objective throughput`` at ``batch`` sequences per replica: the compiled plan (replicas
+    where they serve more) beside the best single pipeline over every device at the same batch."""
+    from hetplan.compiler import _workload, load_inputs, stage_solver
+    from hetplan.pipeline import plan_pipeline
+
+    req = CompileRequest(model=model, hw=hw, weight_dtype="q4_k_m", objective="throughput", batch=batch)
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan, _ = compile_plan(req)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    pp = plan.pipeline
+    spec, topo = load_inputs(CompileRequest(model=model, hw=hw, weight_dtype="q4_k_m"))
+    wl = _workload(req, plan.workload.batch)
+    one = plan_pipeline(spec, topo, wl, stage_solver(req, moe_stages=True), "max")
+    print(f"\n{model} q4_k_m on {hw}, --objective throughput --batch {batch}: compiled in {wall:.1f} s wall, "
+          f"{cpu:.1f} s CPU")
+    print("| plan | batch per replica | stages per replica | TPOT | pipelined decode tok/s (all replicas) |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| one pipeline over every device | {wl.batch} | {len(one.stages)} | {one.predicted()['tpot_s'] * 1e3:.2f} ms "
+          f"| {one.predicted()['pipelined_decode_tokens_per_s']:.1f} |")
+    print(f"| compiled: {pp.get('replicas', 1)} replica(s) | {plan.workload.batch} | {len(pp['stages'])} | "
+          f"{pp['predicted']['tpot_s'] * 1e3:.2f} ms | {pp['predicted']['pipelined_decode_tokens_per_s']:.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepseek", action="store_true", help="also deepseek-v3 on 8xh100")
+    ap.add_argument("--replicas", action="store_true", help="also --objective throughput: replicas (data "
+                    "parallel) against one pipeline over every device")
     args = ap.parse_args()
+    if args.replicas:
+        for case in REPLICA_CASES:
+            replicas_case(*case)
+        return 0
     for model, multi, single in CASES[:3 if args.deepseek else 2]:
         print(f"\n{model} q4_k_m, batch 1, prompt 512, generate 128")
         print("| plan | TTFT | TPOT | decode tok/s | prefill tok/s | compile wall | compile CPU |")

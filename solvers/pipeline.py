@@ -1,9 +1,10 @@
 """Pipeline stages: which GPU runs which contiguous range of layers, by dynamic programming.
 
-A pure function of two callables: ``stage(k, a, b)`` prices layers ``[a, b)`` on GPU ``k``
-(the single-device plan of that range, solved elsewhere; ``math.inf`` when it does not fit) and
-``link(j, k)`` prices handing the activations from GPU ``j``'s stage to GPU ``k``'s. Knows
-nothing about models or plans.
+A pure function of callables: ``stage(k, a, b)`` prices layers ``[a, b)`` on GPU ``k`` (the
+single-device plan of that range, solved elsewhere; ``math.inf`` when it does not fit),
+``link(j, k)`` prices handing the activations from GPU ``j``'s stage to GPU ``k``'s, and
+``lower(k, a, b)`` is a cheap lower bound on ``stage(k, a, b)``. Knows nothing about models or
+plans.
 
 Stages run on GPUs in index order; a GPU may be left idle. Two objectives:
 
@@ -16,22 +17,22 @@ The recurrence, over ``best(b, k)`` = the cheapest way to run layers ``[0, b)`` 
 the last one used (``(+)`` is ``+`` or ``max``)::
 
     best(b, k) = min( stage(k, 0, b),
-                      min_{j < k, 0 < a < b} best(a, j) (+) link(j, k) (+) stage(k, a, b) )
+                      min_{0 < a < b} [ min_{j < k} best(a, j) (+) link(j, k) ] (+) stage(k, a, b) )
 
-Pricing a stage is a solve, so the inner minimum over ``a`` is a branch and bound: ``best(a, j)``
-never decreases as ``a`` grows (more layers before) and ``stage(k, a, b)`` never increases
-(fewer layers in it), so on an interval ``[lo, hi]`` of ``a`` every candidate costs at least
-``min_{j' <= j} best(lo, j') (+) link (+) stage(k, hi, b)``, and an interval whose bound is no better than
-the best found is dropped unpriced. This is exact when a stage's price is monotone in its layer
-count, which an exact single-device solve is (a plan for more layers, less one, still runs);
-``best(lo, j)`` in that bound is the least over GPUs ``<= j`` (see ``bound``).
+Pricing a stage is a solve, so the search is lazy: the DP runs on *optimistic* prices, a
+stage's price where it is known and its lower bound where not. Every split costs at least its
+optimistic cost (``(+)`` never decreases when a part grows), so when the optimistic optimum
+is made of priced stages only, its cost is its true cost and no split is cheaper: it is the
+optimum. Otherwise its unpriced stages are priced and the DP runs again. Exact for any valid
+``lower``; the tighter it is, the fewer stages are priced. Two things tighten it for free:
 
-Pricing a stage is the expensive step, so an optional ``lower(k, a, b)`` (a cheap lower bound on
-``stage(k, a, b)``, e.g. bytes over bandwidth) is tried first wherever a stage's price would
-bound a candidate or an interval: ``lower(k, hi, b) <= stage(k, hi, b) <= stage(k, a, b)`` for
-``a <= hi``, so a candidate or interval it rules out is dropped without a solve. The single
-stage ``[0, b)`` on GPU ``k`` is priced last, only when its bound can still win. Exact for any
-valid ``lower``; without one, ``stage`` bounds itself.
+- ``key(k, a, b)``: stages with equal keys cost the same (equal GPUs, equal layers), so a price
+  learnt for one serves them all;
+- with ``monotone=True`` (a stage's price never decreases as it takes more layers, which an
+  exact single-device solve satisfies: a plan for more layers, less one, still runs), every
+  stage costs at least the dearest priced stage it contains on the same GPU.
+
+Ties (costs within ``TIE``) go to fewer stages, then to the smaller slowest stage or link.
 """
 
 from __future__ import annotations
@@ -46,90 +47,103 @@ class Split:
     stages: tuple
     """(gpu, first_layer, end_layer) per used GPU, in pipeline order."""
     cost_s: float
-
-
-def combine(objective: str, *parts: float) -> float:
-    return sum(parts) if objective == "sum" else max(parts)
+    priced: int = 0
+    """How many stages the search priced (called ``stage`` on; one per key)."""
 
 
 def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, objective: str = "sum",
-               lower: Callable | None = None, seed: tuple = ()) -> Split | None:
+               lower: Callable | None = None, key: Callable | None = None,
+               monotone: bool = True) -> Split | None:
     """The cheapest split of ``n_layers`` layers over GPUs ``0..n_gpus-1``; None when none fits.
-    ``lower(k, a, b)``: a cheap lower bound on ``stage(k, a, b)`` (default: ``stage`` itself).
-    ``seed``: a split ((gpu, first, end) per stage) priced first, so that the search starts with
-    an incumbent and prices no stage that cannot beat it."""
+    ``lower(k, a, b)``: a cheap lower bound on ``stage(k, a, b)`` (default 0); ``key(k, a, b)``:
+    stages with equal keys cost the same (equal GPUs, equal layers), so one is priced for all;
+    ``monotone``: prices never decrease as a stage takes more layers (module docstring)."""
     if objective not in ("sum", "max"):
         raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
-    lower = lower or stage
-    memo: dict = {}
+    L, K = n_layers, n_gpus
+    every = [(k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)]
+    keys = {s: key(*s) if key else s for s in every}
+    bound = {s: lower(*s) if lower else 0.0 for s in every}
+    links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
+    price: dict = {}  # key -> seconds
+    while True:
+        optimistic = {s: price.get(keys[s], bound[s]) for s in every}
+        if monotone:
+            _raise_to_contained(optimistic, {s for s in every if keys[s] in price}, L, K)
+        cost, stages = _cheapest(optimistic, links, L, K, objective)
+        if not stages:
+            return None
+        unpriced = [s for s in stages if keys[s] not in price]
+        if not unpriced:
+            return Split(stages, cost, len(price))
+        for s in unpriced:
+            if keys[s] not in price:
+                price[keys[s]] = stage(*s)
 
-    def best(b: int, k: int, cutoff: float) -> tuple:
-        """(cost, stages) of layers [0, b) ending on GPU k when it costs less than ``cutoff``,
-        else (inf, ()): every part of a split costs >= 0, so a prefix no cheaper than the
-        incumbent cannot lead to a better split. Memoised with the cutoff it was searched under."""
-        if (b, k) in memo:
-            found, searched = memo[b, k]
-            if found[0] < math.inf or cutoff <= searched:
-                return found
-        top = (cutoff, ())
-        for j in range(k):
-            top = _after(b, k, j, top)
-        if lower(k, 0, b) <= top[0]:
-            alone = stage(k, 0, b)
-            if alone < math.inf and (alone <= top[0] if top[1] else alone < top[0]):  # a tie: fewer stages
-                top = (alone, ((k, 0, b),))
-        found = top if top[1] else (math.inf, ())
-        memo[b, k] = (found, cutoff)
-        return found
 
-    def _after(b, k, j, top) -> tuple:
-        """The best of ``best(a, j) (+) link(j, k) (+) stage(k, a, b)`` over 0 < a < b that
-        beats ``top`` (else ``top``)."""
-        l = link(j, k)
+def _raise_to_contained(cost: dict, priced: set, L: int, K: int) -> None:
+    """Raise each stage's ``cost`` to the dearest priced stage it contains on the same GPU:
+    ``m(a, b) = max(price(a, b), m(a+1, b), m(a, b-1))``, shortest stages first."""
+    for k in range(K):
+        inner = [[-math.inf] * (L + 1) for _ in range(L + 1)]  # inner[a][b]
+        for n in range(1, L + 1):
+            for a in range(L - n + 1):
+                b = a + n
+                m = cost[k, a, b] if (k, a, b) in priced else -math.inf
+                if n > 1:
+                    m = max(m, inner[a + 1][b], inner[a][b - 1])
+                inner[a][b] = m
+                if m > cost[k, a, b]:
+                    cost[k, a, b] = m
 
-        def prefix(a):
-            return best(a, j, top[0])
 
-        def bound(lo, hi):
-            """A lower bound on every candidate in [lo, hi]: the cheap one first, the stage's
-            price when the cheap one cannot rule the interval out. ``best(a, j)`` itself need not
-            grow with ``a`` (a one-layer last stage dropped leaves a split ending on another GPU),
-            but cut at ``lo`` any split of [0, a) ending on GPU j leaves a split of [0, lo) ending
-            on some GPU <= j, no dearer: ``best(a, j) >= min_{j' <= j} best(lo, j')``."""
-            before = min(best(lo, i, top[0])[0] for i in range(j + 1))
-            cheap = combine(objective, before, l, lower(k, hi, b))
-            return cheap if cheap >= top[0] else combine(objective, before, l, stage(k, hi, b))
+def _cheapest(cost: dict, links: dict, L: int, K: int, objective: str) -> tuple:
+    """The DP of the module docstring over ``cost`` -> (seconds, stages); (inf, ()) when every
+    split costs inf. ``into[a][k]`` is the bracket: the cheapest way to hand layer ``a`` to GPU
+    ``k`` from an earlier GPU. Costs within ``TIE`` of each other tie; ties go to fewer stages,
+    then to the smaller slowest part (balanced stages: the same latency, a faster pipeline)."""
+    inf = (math.inf, 0, math.inf, ())
+    best = [[inf] * K for _ in range(L + 1)]  # best[b][k]: (seconds, n stages, slowest part, stages)
+    into = [[inf] * K for _ in range(L + 1)]
+    add = (lambda x, y: x + y) if objective == "sum" else max
+    for b in range(1, L + 1):
+        for k in range(K):
+            top = (cost[k, 0, b], 1, cost[k, 0, b], ((k, 0, b),))
+            for a in range(1, b):
+                t, n, m, st = into[a][k]
+                c = cost[k, a, b]
+                if t == math.inf or c == math.inf:
+                    continue
+                cand = (add(t, c), n + 1, max(m, c), st + ((k, a, b),))
+                if _better(cand, top):
+                    top = cand
+            best[b][k] = top
+        for k in range(1, K):
+            here = inf
+            for j in range(k):
+                t, n, m, st = best[b][j]
+                if t == math.inf:
+                    continue
+                cand = (add(t, links[j, k]), n, max(m, links[j, k]), st)
+                if _better(cand, here):
+                    here = cand
+            into[b][k] = here
+    top = inf
+    for k in range(K):
+        if _better(best[L][k], top):
+            top = best[L][k]
+    return (top[0], top[3]) if top[0] < math.inf else (math.inf, ())
 
-        def consider(a, top):
-            if combine(objective, prefix(a)[0], l, lower(k, a, b)) >= top[0]:
-                return top
-            c = combine(objective, prefix(a)[0], l, stage(k, a, b))
-            return (c, prefix(a)[1] + ((k, a, b),)) if c < top[0] else top
 
-        pending = [(1, b - 1)] if b > 1 else []
-        while pending:
-            lo, hi = pending.pop()
-            if bound(lo, hi) >= top[0]:
-                continue
-            if hi - lo <= 1:
-                for a in sorted({lo, hi}):
-                    top = consider(a, top)
-                continue
-            # the middle split is priced anyway by its halves' bounds: take it as a candidate,
-            # then search the half with the lower bound first
-            mid = (lo + hi) // 2
-            top = consider(mid, top)
-            halves = sorted([(lo, mid), (mid, hi)], key=lambda h: -bound(*h))
-            pending += halves
-        return top
+TIE = 1e-12
+"""Relative difference below which two costs are equal (sums in another order round apart)."""
 
-    incumbent = (math.inf, ())
-    if seed:
-        parts = [stage(*s) for s in seed] + [link(j, k) for (j, _, _), (k, _, _) in zip(seed, seed[1:])]
-        incumbent = (combine(objective, *parts), tuple(seed))
-    for k in range(n_gpus):
-        found = best(n_layers, k, incumbent[0])  # only what beats the incumbent
-        if found[1] and found[0] < incumbent[0]:
-            incumbent = found
-    cost, stages = incumbent
-    return Split(stages, cost) if cost < math.inf else None
+
+def _better(x: tuple, y: tuple) -> bool:
+    """``x`` (seconds, stages used, slowest part, ...) before ``y``: cheaper beyond ``TIE``, else
+    fewer stages, else a smaller slowest part."""
+    if x[0] < y[0] * (1 - TIE) or y[0] == math.inf:
+        return x[0] < y[0]
+    if x[0] > y[0] * (1 + TIE):
+        return False
+    return x[1:3] < y[1:3]

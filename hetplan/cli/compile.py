@@ -173,8 +173,11 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
                f"compiled in {took.wall_s:.2f} s, {took.cpu_s:.2f} s CPU]")
     if plan.pipeline is not None:
         pp = plan.pipeline["predicted"]
-        click.echo(f"  pipeline over {len(plan.pipeline['stages'])} of {plan.pipeline.get('devices', '?')} devices: "
-                   f"TTFT {format_seconds(pp['ttft_s'])}, TPOT {format_seconds(pp['tpot_s'])} "
+        r = plan.pipeline.get("replicas") or 1
+        what = (f"{r} replicas of a pipeline over {len(plan.pipeline['stages'])} device(s) each "
+                f"({plan.pipeline.get('devices', '?')} devices; rates: all replicas together)" if r > 1 else
+                f"pipeline over {len(plan.pipeline['stages'])} of {plan.pipeline.get('devices', '?')} devices")
+        click.echo(f"  {what}: TTFT {format_seconds(pp['ttft_s'])}, TPOT {format_seconds(pp['tpot_s'])} "
                    f"({pp['decode_tokens_per_s']:.2f} tok/s; the figures before are its first stage alone)")
         for name, b in sorted(plan.pipeline.get("baselines", {}).items()):
             click.echo(f"  {name}: " + (f"TTFT {format_seconds(b['ttft_s'])}, TPOT {format_seconds(b['tpot_s'])} "

@@ -8,7 +8,8 @@ KV left out: a larger cap only weakens the bound). Nor can it beat its *chain* b
 decode step (and a prompt prefilled in one chunk) is a chain, each stage of a block starting
 after the one before it ends, so it takes at least the sum over its stages of the faster of
 the stage's GPU and CPU times (an MoE stage, which may split its experts between the two
-devices and run both halves at once, at least its own physical bound). A prompt in several
+devices and run both halves at once, at least the least of its split times, the expected
+durations the planner prices each split at; its physical bound where it has none). A prompt in several
 chunks may overlap chunks on the two devices, so its prefill keeps the physical bound alone.
 And a decode step of an MoE stage reads its routed experts' expected bytes (``wbytes``): HBM
 holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of all the others
@@ -16,12 +17,25 @@ holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of 
 ``t >= cold / (bw_cpu + bw_h2d)`` (every MoE layer routed alike, as without a routing profile);
 the MoE stages of the chain take at least that together, the other stages their own times
 besides: ``t >= chain_dense + max(chain_moe, cold / (bw_cpu + bw_h2d))``.
+Last, the bytes read beyond ``cap`` (``nbytes - cap``) are each either copied over the link or
+read by the CPU while it computes with them, and the CPU reads at most ``r`` bytes a second,
+``r`` the highest bytes-per-CPU-second of any stage in the range (a dense stage's ``bytes /
+cpu_s``; an MoE stage's ``min(bw_cpu, peak_cpu * max(bytes / flops))`` over its experts, shared
+experts and router, any of which may go to the CPU): ``t >= (nbytes - cap) / (bw_h2d + r)``.
+In a prefill the CPU is compute-bound, so ``r`` is far below its DRAM bandwidth and a stage
+that does not fit in HBM is seen to cost what it does.
+A step takes at least its chain and at least its link's busy time, so at least any weighted
+mean of the two, ``t >= (1 - w) chain + w link`` (``w = LINK_WEIGHT``); charged to each block's
+cheapest way of running, a streamed MoE block then costs its GPU time plus ``w / (1 - w)``
+times its weights' load over the link, so that the least expert-split time (resident) is what
+an MoE stage costs in the chain (the plain chain bound must allow it streamed at its GPU time).
 The totals come from prefix sums over one whole-model problem per kind of device, so a bound
 costs a few additions. Knows nothing about how stages are chosen or solved.
 """
 
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 
 from hetplan.bounds import work_lower_bound_s
@@ -31,6 +45,8 @@ from hetplan.problem import build_problem
 from hetplan.workload import Workload
 
 PHASES = ("prefill", "decode")
+LINK_WEIGHT = 0.01
+"""``w`` of the weighted bound ``t >= (1 - w) chain + w link`` (module docstring)."""
 
 
 class StageBound:
@@ -44,17 +60,21 @@ class StageBound:
                     for b in problem.graph.blocks}
         self.spec, self.hw, self.n_layers = spec, hw, L
         self.cap = problem.gpu_budget_bytes
-        self.prefix = {}
+        self.prefix, self.rate = {}, {}
         for phase in PHASES:
-            nbytes, flops, chain, moe = ([0.0] * (L + 2) for _ in range(4))
+            nbytes, flops, chain, moe, priced = ([0.0] * (L + 2) for _ in range(5))
+            rate = [0.0] * (L + 2)
             for sc in problem.stages[phase]:
-                st = sc.stage
-                nbytes[position[st.block]] += st.work.bytes
-                flops[position[st.block]] += st.work.flops
-                (moe if st.kind == "moe" else chain)[position[st.block]] += self._chain_s(sc, problem)
+                st, at = sc.stage, position[sc.stage.block]
+                nbytes[at] += st.work.bytes
+                flops[at] += st.work.flops
+                (moe if st.kind == "moe" else chain)[at] += self._chain_s(sc, problem, phase)
+                priced[at] += self._chain_s(sc, problem, phase, streamed_s=problem.load_s.get(st.block))
+                rate[at] = max(rate[at], self._cpu_rate(sc, problem, phase))
+            self.rate[phase] = _range_max(rate)
             if phase == "prefill" and wl.n_chunks > 1:
-                chain, moe = [0.0] * (L + 2), [0.0] * (L + 2)
-            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe))
+                chain, moe, priced = [0.0] * (L + 2), [0.0] * (L + 2), [0.0] * (L + 2)
+            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe, priced))
         layers = problem.experts.get("decode", {})
         alike = len({(e.wbytes, e.expert_bytes) for e in layers.values()}) == 1
         self.moe = [0] * (L + 2)
@@ -62,40 +82,87 @@ class StageBound:
             self.moe[position[name]] += 1
         self.moe = list(accumulate(self.moe, initial=0))
         self.experts = next(iter(layers.values())) if alike else None
+        self._cold: dict = {}
 
-    def _chain_s(self, sc, problem) -> float:
+    def _chain_s(self, sc, problem, phase: str, streamed_s: float | None = None) -> float:
         """The least time stage ``sc`` can take on this device: the faster of GPU and CPU (the
-        CPU alone on a machine without a GPU); an MoE stage at most its physical bound."""
+        CPU alone on a machine without a GPU); an MoE stage with its experts split between the
+        two at least its least split time (``ExpertLayer.split_times``, what the planner prices a
+        resident MoE block at), else at least its physical bound."""
         fastest = min(sc.gpu_s, sc.cpu_s) if problem.has_gpu else sc.cpu_s
         if sc.stage.kind == "moe":
+            layer = problem.experts.get(phase, {}).get(sc.stage.block)
+            if layer is not None:  # its experts split between the devices: the least split time
+                if streamed_s is not None:  # streamed, it computes on the GPU and loads over the link
+                    fastest = min(sc.cpu_s, sc.gpu_s + LINK_WEIGHT / (1 - LINK_WEIGHT) * streamed_s)
+                return min(fastest, min(layer.split_times))
             work = sc.stage.work
             fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap))
         return fastest
 
+    def _cpu_rate(self, sc, problem, phase: str) -> float:
+        """The most bytes a second the CPU reads running (any part of) stage ``sc``."""
+        st = sc.stage
+        layer = problem.experts.get(phase, {}).get(st.block) if st.kind == "moe" else None
+        if layer is None:
+            return st.work.bytes / sc.cpu_s if sc.cpu_s > 0 else math.inf
+        parts = [(w + 2 * r, f) for w, r, f in zip(layer.wbytes, layer.rows, layer.flops)]
+        parts += [(layer.shared_bytes, layer.shared_flops), (layer.route_bytes, layer.route_flops)]
+        ratio = max((b / f if f > 0 else math.inf) for b, f in parts if b > 0)
+        return min(layer.cpu.bytes_per_s, layer.cpu.flops_per_s * ratio)
+
+    def overflow_s(self, phase: str, first: int, end: int, nbytes: float) -> float:
+        """The bytes beyond HBM over the link and the CPU together (module docstring)."""
+        hw = self.hw
+        if hw.gpu is None or nbytes <= self.cap:
+            return 0.0
+        return (nbytes - self.cap) / (hw.h2d_bytes_per_s * hw.efficiency["link"] + self.rate[phase][first][end])
+
     def phase_s(self, phase: str, a: int, b: int) -> float:
         """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
         first, end = (0 if a == 0 else a + 1), (b + 2 if b == self.n_layers else b + 1)
-        nbytes, flops, chain, moe = self.prefix[phase]
+        nbytes, flops, chain, moe, priced = self.prefix[phase]
         cold = self.cold_experts_s(first, end) if phase == "decode" else 0.0
         return max(chain[end] - chain[first] + max(moe[end] - moe[first], cold),
+                   (1 - LINK_WEIGHT) * (priced[end] - priced[first]),
                    work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
-                                      self.cap))
+                                      self.cap),
+                   self.overflow_s(phase, first, end, nbytes[end] - nbytes[first]))
 
     def cold_experts_s(self, first: int, end: int) -> float:
         """Decode: the expected bytes of the experts HBM cannot hold, over DRAM and the link."""
         e, hw = self.experts, self.hw
         if e is None or hw.gpu is None:
             return 0.0
-        n_moe = self.moe[end] - self.moe[first]
-        held = int(self.cap // e.expert_bytes) if e.expert_bytes > 0 else 0
-        # every layer's experts alike: the hottest rank of each layer first, then the next, ...
-        cold, left = 0.0, held
+        eff = hw.efficiency
+        return self._cold_bytes(self.moe[end] - self.moe[first]) / (hw.cpu.mem_bytes_per_s * eff["cpu_mem"]
+                                                                    + hw.h2d_bytes_per_s * eff["link"])
+
+    def _cold_bytes(self, n_moe: int) -> float:
+        """Expected bytes of the experts ``n_moe`` alike layers leave out of HBM when it holds the
+        hottest rank of each layer first, then the next, ... (cached per ``n_moe``)."""
+        if n_moe in self._cold:
+            return self._cold[n_moe]
+        e = self.experts
+        cold, left = 0.0, int(self.cap // e.expert_bytes) if e.expert_bytes > 0 else 0
         for w in sorted(e.wbytes, reverse=True):
             resident = min(n_moe, left)
             left -= resident
             cold += (n_moe - resident) * w
-        eff = hw.efficiency
-        return cold / (hw.cpu.mem_bytes_per_s * eff["cpu_mem"] + hw.h2d_bytes_per_s * eff["link"])
+        self._cold[n_moe] = cold
+        return cold
 
     def __call__(self, a: int, b: int) -> tuple:
         return self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
+
+
+def _range_max(values: list) -> list:
+    """``out[i][j]`` = max of ``values[i:j]`` (0 when empty), every ``i <= j``."""
+    out = []
+    for i in range(len(values) + 1):
+        row, m = [0.0] * (len(values) + 1), 0.0
+        for j in range(i, len(values)):
+            m = max(m, values[j])
+            row[j + 1] = m
+        out.append(row)
+    return out

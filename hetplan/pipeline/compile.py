@@ -104,16 +104,19 @@ def compile_pipeline(spec, hw, req, routing=None):
     batches = [1 << i for i in range(req.batch.bit_length()) if 1 << i <= req.batch] \
         if req.objective == "throughput" else [req.batch]
     best, failure = None, None
+    solve = stage_solver(req, moe_stages=True)
     for batch in batches:
         with progress.step(f"choosing pipeline stages over the {len(topo.devices)} devices of {topo.name!r}"
                            + (f" (batch {batch})" if len(batches) > 1 else "")):
             try:
-                pp = plan_pipeline(spec, topo, _workload(req, batch), stage_solver(req, moe_stages=True), objective)
+                pp = plan_pipeline(spec, topo, _workload(req, batch), solve, objective)
             except InfeasibleError as e:
                 failure = failure or e
                 break
-        if best is None or pp.objective_s() / pp.workload.batch < best.objective_s() / best.workload.batch:
+        if best is None or pp.seconds_per_sequence() < best.seconds_per_sequence():
             best = pp
+    if best is not None and objective == "max":
+        best = best_replicas(spec, topo, best, solve)
     if best is None:
         raise failure
     _note(best, topo, req)
@@ -124,6 +127,27 @@ def compile_pipeline(spec, hw, req, routing=None):
     inputs = {"model_source": req.model, "hw_source": req.hw, "cli_args": req.cli_args(routing)}
     solve_s = sum(s.plan.solver.get("solve_seconds", 0.0) for s in best.stages)
     return dataclasses.replace(first, inputs=inputs, pipeline=record), solve_s
+
+
+def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePlan:
+    """The throughput objective: ``best`` (one pipeline over every device), or ``r`` replicas of
+    a pipeline over ``devices / r`` alike devices each where they serve more sequences a second
+    (``hetplan.pipeline.replicas``), at the same batch per replica."""
+    from hetplan.pipeline.replicas import first_group, replica_counts, replicas_fit_dram
+
+    for r in replica_counts(topo):
+        group = first_group(topo, r)
+        with progress.step(f"choosing pipeline stages for {r} replicas over {len(group.devices)} devices each"):
+            try:
+                pp = plan_pipeline(spec, group, best.workload, solve, "max")
+            except InfeasibleError:
+                continue  # fewer devices hold less: fewer replicas may still fit
+        if not replicas_fit_dram(topo, r, pp.stages):
+            continue
+        pp = dataclasses.replace(pp, replicas=r)
+        if pp.seconds_per_sequence() < best.seconds_per_sequence():
+            best = pp
+    return best
 
 
 LLAMA_CPP = "llama.cpp --split-mode layer"
@@ -158,8 +182,12 @@ def _note(pp: PipelinePlan, topo: Topology, req) -> None:
     used = ", ".join(f"{topo.device_name(s.device)} layers {s.first_layer}-{s.end_layer - 1}" for s in pp.stages)
     line = (f"pipeline over {len(pp.stages)} of {len(topo.devices)} devices ({used}): decode "
             f"{pred['decode_tokens_per_s']:.3g} tok/s")
+    if pp.replicas > 1:
+        line = (f"{pp.replicas} replicas of a pipeline over {len(pp.stages)} device(s) each (the first: {used}): "
+                f"decode {pred['decode_tokens_per_s']:.3g} tok/s, {pred['pipelined_decode_tokens_per_s']:.3g} "
+                f"with micro-batches, all replicas together")
     if pp.alone is not None:
-        ratio = pp.alone[0] / pp.objective_s()
+        ratio = pp.alone[0] * pp.replicas / pp.objective_s()
         line += (f", {ratio:.2f}x the best single device" if pp.alone[1]
                  else f", at least {ratio:.2f}x any single device (a lower bound ruled them out unsolved)")
     else:

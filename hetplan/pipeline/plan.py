@@ -47,6 +47,9 @@ class PipelinePlan:
     model: ModelSpec | None = None
     """The whole model the stages cut (plan.json's ``pipeline.model``: a pipeline plan's main part
     is its first stage's layers alone)."""
+    replicas: int = 1
+    """Alike groups of devices each running these stages on sequences of their own
+    (``hetplan.pipeline.replicas``); ``stages`` are the first group's."""
 
     def phase_s(self, phase: str) -> float:
         """One pass of ``phase`` through every stage and link in turn."""
@@ -59,11 +62,18 @@ class PipelinePlan:
         return max([s.plan.predicted[key] for s in self.stages] + [l[f"{phase}_s"] for l in self.links])
 
     def predicted(self) -> dict:
-        wl = self.workload
+        """A sequence's times, and the rates of every replica together (``replicas`` x one's)."""
+        wl, r = self.workload, self.replicas
         ttft, tpot = self.phase_s("prefill"), self.phase_s("decode")
         return {"ttft_s": ttft, "tpot_s": tpot, "latency_s": ttft + wl.gen_len * tpot,
-                "decode_tokens_per_s": wl.batch / tpot, "prefill_tokens_per_s": wl.batch * wl.prompt_len / ttft,
-                "pipelined_decode_tokens_per_s": wl.batch / self.bottleneck_s("decode")}
+                "decode_tokens_per_s": r * wl.batch / tpot,
+                "prefill_tokens_per_s": r * wl.batch * wl.prompt_len / ttft,
+                "pipelined_decode_tokens_per_s": r * wl.batch / self.bottleneck_s("decode")}
+
+    def seconds_per_sequence(self) -> float:
+        """``objective_s`` over the sequences every replica runs at once: what a throughput search
+        over batch sizes and replica counts compares."""
+        return self.objective_s() / (self.workload.batch * self.replicas)
 
     def objective_s(self) -> float:
         """The seconds the split minimised (as ``alone`` states them)."""
@@ -82,7 +92,9 @@ class PipelinePlan:
              "links": [_link_dict(l, cluster) for l in self.links],
              "predicted": self.predicted()}
         if topo is not None:
-            d["devices"] = len(topo.devices)
+            d["devices"] = len(topo.devices) * self.replicas
+        if self.replicas > 1:
+            d["replicas"] = self.replicas
         if topo is not None and topo.network is not None:
             d["network"] = {"name": topo.name, "bytes_per_s": topo.network.bytes_per_s,
                             "latency_s": topo.network.latency_s}
@@ -90,7 +102,7 @@ class PipelinePlan:
             d["model"] = self.model.to_dict()
         if self.alone is not None:
             d["single_device"] = {"objective_s": self.alone[0], "exact": self.alone[1],
-                                  "pipeline_objective_s": self.objective_s()}
+                                  "pipeline_objective_s": self.objective_s() / self.replicas}
         return d
 
 
@@ -108,6 +120,8 @@ def _stage_dict(s: StagePlan, cluster: bool) -> dict:
 
 def _link_dict(l: dict, cluster: bool) -> dict:
     d = {"kind": l["kind"], "prefill_s": l["prefill_s"], "decode_s": l["decode_s"]}
+    if l.get("legs") is not None:
+        d["legs"] = [{"via": v, "bytes_per_s": r, "latency_s": t} for v, r, t in l["legs"]]
     for end in ("from", "to"):
         if l[end] is not None:
             d[f"{end}_gpu"] = l[end]
@@ -133,7 +147,6 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     only where their cheap lower bound (``StageBound``) cannot rule them out; a stage's seconds
     are what the workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``)."""
     from hetplan.solvers.pipeline import best_split
-    from hetplan.solvers.split_mode import layer_stages
 
     topo = Topology.of(hw)
     devices = topo.devices
@@ -173,9 +186,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         return seconds(*(topo.hop(devices[j], devices[k], hidden_bytes(spec, wl, ph))[1]
                          for ph in ("prefill", "decode")))
 
-    free = [m.gpu_budget_bytes() if m.gpus else m.cpu_budget_bytes() for m in machines]
-    seed = layer_stages(L, free)  # llama.cpp's split: the first incumbent
-    split = best_split(L, len(devices), stage, link, objective, lower, seed)
+    split = best_split(L, len(devices), stage, link, objective, lower, key)
     if split is None:
         raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(devices)} devices of "
                               f"{topo.name!r} fits (each stage's GPU, with its host's DRAM)")
@@ -214,7 +225,8 @@ def _links(topo: Topology, spec: ModelSpec, wl: Workload, stages) -> tuple:
         return topo.hop(s.device, t.device, hidden_bytes(spec, wl, phase))
     return tuple({"from": s.gpu, "to": t.gpu, "from_node": s.node, "to_node": t.node,
                   "kind": hop(s, t, "decode")[0], "prefill_s": hop(s, t, "prefill")[1],
-                  "decode_s": hop(s, t, "decode")[1]} for s, t in zip(stages, stages[1:]))
+                  "decode_s": hop(s, t, "decode")[1], "legs": topo.legs(s.device, t.device)}
+                 for s, t in zip(stages, stages[1:]))
 
 
 def check_dram(spec: ModelSpec, topo: Topology, stages) -> None:
@@ -233,7 +245,7 @@ def _alone(k: int, stage, lower, L: int, best_s: float):
     """(seconds, exact) of the whole model on device ``k`` alone: its price when the DP priced
     it or it can beat ``best_s``, else its lower bound (no solve); None when it does not fit."""
     bound = lower(k, 0, L)
-    exact = stage(k, 0, L) if bound <= best_s else None
+    exact = stage(k, 0, L) if bound <= best_s * (1 + 1e-9) else None  # a bound as tight as the price
     if exact is not None:
         return None if exact == math.inf else (exact, True)
     return (bound, False)

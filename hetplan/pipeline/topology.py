@@ -54,6 +54,27 @@ class Topology:
         where = f"node {n} " if len(self.nodes) > 1 else ""
         return f"{where}GPU {g}" if g is not None else f"{where}CPU"
 
+    def legs(self, a: tuple, b: tuple) -> tuple:
+        """What a hop from device ``a`` to device ``b`` is made of, as plan.json records it for
+        the simulator: (via, bytes per second achieved, latency) per leg in turn, a leg taking
+        ``bytes / bytes_per_s + latency_s``; the legs ``hop`` prices."""
+        (na, ga), (nb, gb) = a, b
+
+        def copy(node, via):
+            hw = self.nodes[node]
+            rate = hw.h2d_bytes_per_s if via == "h2d" else hw.d2h_bytes_per_s
+            return via, rate * hw.efficiency["link"], hw.latency_s["link_task"]
+
+        if na == nb:
+            hw = self.nodes[na]
+            if ga is not None and gb is not None and hw.peer(ga, gb).kind != "host":
+                link = hw.peer(ga, gb)
+                return ((link.kind, link.bytes_per_s * hw.efficiency["link"], hw.latency_s["link_task"]),)
+            return ((copy(na, "d2h"),) if ga is not None else ()) + ((copy(nb, "h2d"),) if gb is not None else ())
+        net = self.network
+        return (((copy(na, "d2h"),) if ga is not None else ()) + (("network", net.bytes_per_s, net.latency_s),)
+                + ((copy(nb, "h2d"),) if gb is not None else ()))
+
     def hop(self, a: tuple, b: tuple, nbytes: float) -> tuple:
         """(kind, seconds) of ``nbytes`` of activations from device ``a`` to device ``b``.
 

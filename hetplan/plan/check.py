@@ -4,7 +4,9 @@ A checked-in plan records the ``CompileRequest`` that produced it (``inputs.cli_
 Recompiling it with today's code and presets and diffing the two catches regressions in the
 cost model, the solver or the presets: a predicted latency that got worse by more than a
 tolerance, memory over budget (the compiler then refuses the plan and says what is missing),
-or a different placement.
+or a different placement. A plan over several devices is first replayed as recorded (each
+stage's plan, each link, the pipeline's predictions: ``simulate_pipeline``), so that a plan
+edited by hand fails before anything is recompiled.
 Knows nothing about how plans are solved; it calls ``hetplan.compiler``.
 """
 
@@ -170,6 +172,22 @@ def _recompile(old: Plan, req):
                                                slo_tpot_s=sv["slo"]["tpot_s"], slo_ttft_s=sv["slo"]["ttft_s"]))
 
 
+def _replay_pipeline(plan: Plan) -> str | None:
+    """A plan over several devices whose stages record their plans: what the independent replay of
+    its pipeline finds wrong (``hetplan.plan.simulate_pipeline``), else None."""
+    from hetplan.plan.simulate import PlanInvalid
+    from hetplan.plan.simulate_pipeline import check_pipeline
+
+    stages = (plan.pipeline or {}).get("stages") or []
+    if not stages or any(s.get("plan") is None for s in stages):
+        return None
+    try:
+        check_pipeline(plan)
+    except PlanInvalid as e:
+        return f"the pipeline does not replay as recorded: {e}"
+    return None
+
+
 def check_plan(path, tolerance: float = 0.01, allow_placement_change: bool = False,
                update: bool = False) -> CheckResult:
     """Recompile the plan at ``path`` and compare; with ``update``, rewrite it (atomically)
@@ -181,6 +199,9 @@ def check_plan(path, tolerance: float = 0.01, allow_placement_change: bool = Fal
         raise HetplanError(f"{path}: no *.json plans in this directory")
     old = load_plan(path, verify=False)
     recorded = path.read_text()
+    replayed = None if update else _replay_pipeline(old)
+    if replayed is not None:
+        return CheckResult(str(path), (replayed,), (), "")
     req = request_of(old, str(path))
     try:
         new, _ = _recompile(old, req)

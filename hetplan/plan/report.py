@@ -218,7 +218,13 @@ def pipeline_section(plan: Plan) -> str:
     p = pp["predicted"]
     of = f" of {pp['devices']} devices" if pp.get("devices") else ""
     net = pp.get("network")
-    lines = [f"pipeline over {len(pp['stages'])}{of}" + (
+    r = pp.get("replicas") or 1
+    n = len(pp["stages"])
+    head = (f"{r} replicas, each a pipeline over {n} device{'s' if n > 1 else ''} ({pp.get('devices', r * n)} "
+            f"devices in all; the stages below are the first replica's, each replica runs sequences of its own "
+            f"and the rates are all of them together; hetplan exec runs one replica)"
+            if r > 1 else f"pipeline over {n}{of}")
+    lines = [head + (
         f" ({net['name']}: network {net['bytes_per_s'] / 1e9:.3g} GB/s, {net['latency_s'] * 1e6:.0f} us)"
         if net else "") + " (plan.json's 'pipeline': the plan hetplan exec runs, one process per stage)", table,
              f"  TTFT {format_seconds(p['ttft_s'])}, TPOT {format_seconds(p['tpot_s'])}: decode "

@@ -68,6 +68,13 @@ class PipelineStage(Strict):
                                    "(absent in plans written before it was recorded)")
 
 
+class LinkLeg(Strict):
+    via: Literal["nvlink", "nvswitch", "pcie", "d2h", "h2d", "network"] = Field(
+        description="a peer link, a copy out of or into a GPU, or the network between nodes")
+    bytes_per_s: LinkRate = Field(description="what it achieves (bandwidth x the link efficiency)")
+    latency_s: quantity("s", 1.0) = Field(description="per message")
+
+
 class PipelineLink(Strict):
     from_gpu: count(1023) | None = Field(None, description="the stage handing on (absent: a CPU stage)")
     to_gpu: count(1023) | None = Field(None, description="the stage receiving (absent: a CPU stage)")
@@ -77,16 +84,19 @@ class PipelineLink(Strict):
         description="the link between them (network: between two nodes)")
     prefill_s: Seconds = Field(description="the prompt's hidden state across it")
     decode_s: Seconds = Field(description="one token's hidden state across it")
+    legs: Annotated[list[LinkLeg], Field(max_length=3)] | None = Field(
+        None, description="what it is made of, in turn, each leg taking bytes / bytes_per_s + latency_s (the "
+        "simulator restates prefill_s and decode_s from them; absent in plans written before)")
 
 
 class PipelinePredicted(Strict):
     ttft_s: Seconds = Field(description="every stage's prefill and link in turn")
     tpot_s: Seconds = Field(description="every stage's decode and link in turn")
     latency_s: Seconds = Field(description="ttft + gen_len x tpot")
-    decode_tokens_per_s: TokenRate = Field(description="batch / tpot")
-    prefill_tokens_per_s: TokenRate = Field(description="batch x prompt_len / ttft")
+    decode_tokens_per_s: TokenRate = Field(description="replicas x batch / tpot")
+    prefill_tokens_per_s: TokenRate = Field(description="replicas x batch x prompt_len / ttft")
     pipelined_decode_tokens_per_s: TokenRate = Field(
-        description="batch / the slowest stage or link: micro-batches filling every stage")
+        description="replicas x batch / the slowest stage or link: micro-batches filling every stage")
 
 
 class PipelineNetwork(Strict):
@@ -99,7 +109,8 @@ class SingleDevice(Strict):
     objective_s: Seconds = Field(description="the best single device's objective seconds (a lower bound "
                                  "when not exact)")
     exact: bool = Field(description="true: a solved plan's; false: a lower bound, too slow to compete")
-    pipeline_objective_s: Seconds = Field(description="the pipeline's, in the same seconds")
+    pipeline_objective_s: Seconds = Field(description="the pipeline's, in the same seconds (with replicas: "
+                                          "one replica's over their number)")
 
 
 class SplitBaseline(Strict):
@@ -124,6 +135,9 @@ class Pipeline(Strict):
     model: Model | None = Field(None, description="the whole model the stages cut (the plan's own `model` is "
                                 "its first stage's layers); absent: the plan's own")
     devices: count(1 << 20) | None = Field(None, description="devices the stages were chosen from")
+    replicas: count(1 << 20, 1) | None = Field(None, description="alike groups of devices, each running these "
+                                               "stages (the first group's) on sequences of its own; the "
+                                               "predicted rates are all of them together (absent: 1)")
     network: PipelineNetwork | None = Field(None, description="between the nodes of a cluster")
     single_device: SingleDevice | None = Field(None, description="the whole model on the best single device")
     baselines: dict[Annotated[str, Field(max_length=100)], SplitBaseline] | None = Field(

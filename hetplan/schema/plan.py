@@ -351,8 +351,9 @@ class Inputs(Strict):
 
 
 # after the pieces a stage's own plan is made of (pipeline.stages[].plan)
-from hetplan.schema.pipeline import (Pipeline, PipelineLink, PipelineNetwork, PipelinePredicted,  # noqa: E402
-                                     PipelineStage, SingleDevice, SplitBaseline, StagePlan, StageTiers)
+from hetplan.schema.pipeline import (LinkLeg, Pipeline, PipelineLink, PipelineNetwork,  # noqa: E402
+                                     PipelinePredicted, PipelineStage, SingleDevice, SplitBaseline, StagePlan,
+                                     StageTiers)
 
 
 class PlanFile(Strict):
@@ -402,7 +403,8 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("inputs", Inputs), ("inputs.cli_args", CliArgs),
             ("pipeline", Pipeline), ("pipeline.stages[]", PipelineStage), ("pipeline.stages[].weights", StageTiers),
             ("pipeline.stages[].plan", StagePlan),
-            ("pipeline.links[]", PipelineLink), ("pipeline.predicted", PipelinePredicted),
+            ("pipeline.links[]", PipelineLink), ("pipeline.links[].legs[]", LinkLeg),
+            ("pipeline.predicted", PipelinePredicted),
             ("pipeline.network", PipelineNetwork), ("pipeline.single_device", SingleDevice),
             ("pipeline.baselines.*", SplitBaseline),
             ("serving", Serving), ("serving.slo", ServingSlo), ("serving.curve[]", ServingPoint),

@@ -111,18 +111,19 @@ def test_the_throughput_pipeline_minimises_its_slowest_stage():
     assert 1 / pp.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(min(slowest.values()), rel=1e-9)
 
 
+@pytest.mark.parametrize("wl", [WL, dataclasses.replace(WL, batch=4, prompt_len=256, prefill_chunk=64)])
 @pytest.mark.parametrize("moe", [False, True])
-def test_the_cheap_stage_bound_never_exceeds_the_solved_stage(moe):
+def test_the_cheap_stage_bound_never_exceeds_the_solved_stage(moe, wl):
     from hetplan.pipeline.bounds import StageBound
 
-    extra = dict(n_experts=4, experts_per_token=2, moe_intermediate=128, first_dense_layers=1) if moe else {}
+    extra = dict(n_experts=8, experts_per_token=2, moe_intermediate=256, first_dense_layers=1) if moe else {}
     spec = tiny_spec(n_layers=4, **extra)
-    for gpu_mib in (2, 3, 100):
+    for gpu_mib in (2, 3, 6, 8, 12, 100):  # CPU, split, streamed and resident MoE blocks among them
         hw = two_gpus(gpu_mib / 1024)
-        bound = StageBound(spec, hw.single_gpu(0), WL)
+        bound = StageBound(spec, hw.single_gpu(0), wl)
         for a in range(4):
             for b in range(a + 1, 5):
-                plan = SOLVE(stage_problem(spec, hw, WL, 0, a, b))
+                plan = SOLVE(stage_problem(spec, hw, wl, 0, a, b))
                 if plan is None:
                     continue
                 prefill, decode = bound(a, b)

@@ -86,42 +86,103 @@ def test_a_two_stage_pipeline_replays_to_its_hand_derived_makespan():
     assert pipeline_makespan_s([1.0, 0.1, 1.0], 1) == pytest.approx(2.1)
 
 
-def test_the_branch_and_bound_leaves_splits_unpriced_and_still_finds_the_best():
+def test_the_lazy_search_leaves_splits_unpriced_and_still_finds_the_best():
     # 40 equal layers, two equal GPUs holding 25 layers each: every split from 15/25 to 25/15
-    # costs the same, the rest do not fit; the DP must not price all 79 one-cut stages
+    # costs the same, the rest do not fit; with a bound of half a second a layer the search
+    # prices fewer stages than the 2 x 39 + 1 of a full scan of every one-cut split
     priced = set()
 
     def stage(k, a, b):
         priced.add((k, a, b))
         return math.inf if b - a > 25 else float(b - a)
 
-    split = best_split(40, 2, stage, lambda j, k: 0.25, "sum")
-    # what a caller solves: one problem per (layer count, holds embed, holds head)
-    solved = {(b - a, a == 0, b == 40) for _, a, b in priced}
-    assert len(solved) < 2 * 39 + 1  # a full scan: 39 first stages, 39 last stages, one whole
+    split = best_split(40, 2, stage, lambda j, k: 0.25, "sum", lambda k, a, b: 0.5 * (b - a))
+    assert len(priced) == split.priced < 2 * 39 + 1
     assert split.cost_s == pytest.approx(brute_force(40, 2, stage, lambda j, k: 0.25, "sum"))
     assert split.cost_s == pytest.approx(40.25)
 
 
 @pytest.mark.parametrize("objective", ["sum", "max"])
 @pytest.mark.parametrize("seed", range(30))
-def test_a_cheap_lower_bound_and_a_seed_split_leave_the_dp_exact(seed, objective):
+def test_a_cheap_lower_bound_and_stages_sharing_a_price_leave_the_dp_exact(seed, objective):
+    # GPUs of two kinds; a stage's price depends on its GPU's kind, its layer count and which
+    # ends it holds (what a caller's cache keys on), and each key is priced once
     rng = random.Random(1000 + seed)
     L, K = rng.randint(1, 7), rng.randint(1, 4)
-    stage, link = monotone_costs(rng, L, K)
-    shrink = {}
+    kind = [rng.randint(0, 1) for _ in range(K)]
+    per_layer = [rng.uniform(0.5, 2.0) for _ in range(2)]
+    cap = [rng.randint(1, L) for _ in range(2)]
+    links = {(j, k): rng.uniform(0, 1.5) for j in range(K) for k in range(K)}
 
-    def lower(k, a, b):  # any value <= the stage's price, fixed per stage
-        return stage(k, a, b) * shrink.setdefault((k, a, b), rng.choice([0.0, 0.5, 0.9, 1.0]))
+    def key(k, a, b):
+        return kind[k], b - a, a == 0, b == L
 
-    first = rng.randint(1, L)
-    seed_split = ((0, 0, L),) if first == L or K == 1 else ((0, 0, first), (K - 1, first, L))
-    split = best_split(L, K, stage, link, objective, lower, seed_split)
-    want = brute_force(L, K, stage, link, objective)
+    def stage(k, a, b):
+        priced.append(key(k, a, b))
+        _, n, embed, head = key(k, a, b)
+        return math.inf if n > cap[kind[k]] else n * per_layer[kind[k]] + 0.3 * embed + 0.7 * head
+
+    shrink, priced = {}, []
+
+    def lower(k, a, b):  # any value <= the stage's price, fixed per stage (inf x 0 is no bound)
+        f = shrink.setdefault((k, a, b), rng.choice([0.0, 0.5, 0.9, 1.0]))
+        return 0.0 if f == 0.0 else stage(k, a, b) * f
+
+    bounds = {(k, a, b): lower(k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)}
+    priced = []
+    split = best_split(L, K, stage, lambda j, k: links[j, k], objective, lambda *s: bounds[s], key)
+    assert len(priced) == len(set(priced))
+    want = brute_force(L, K, lambda *s: stage(*s), lambda j, k: links[j, k], objective)
     if want == math.inf:
         assert split is None
         return
     assert split.cost_s == pytest.approx(want, rel=1e-12)
+
+
+def cheapest_splits(L, K, stage, link, objective):
+    """(the least cost, every split costing that, ties to fewer stages), by enumeration."""
+    every = {}
+    for m in range(1, min(K, L) + 1):
+        for gpus in itertools.combinations(range(K), m):
+            for cuts in itertools.combinations(range(1, L), m - 1):
+                bounds = (0,) + cuts + (L,)
+                stages = tuple(zip(gpus, bounds, bounds[1:]))
+                parts = [stage(*s) for s in stages] + [link(j, k) for j, k in zip(gpus, gpus[1:])]
+                every[stages] = sum(parts) if objective == "sum" else max(parts)
+    least = min(every.values())
+    tied = [s for s, c in every.items() if c <= least * (1 + 1e-12)]
+    fewest = min(len(s) for s in tied)
+    return least, {s for s in tied if len(s) == fewest}
+
+
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(40))
+def test_the_lazy_search_returns_the_split_the_exhaustive_one_returns(seed, objective):
+    # random stage prices with no structure at all (not monotone in the layer count, some stages
+    # not fitting) and a bound anywhere below each: without the monotone shortcut the search
+    # must still name a split that enumerating every split finds cheapest
+    rng = random.Random(5000 + seed)
+    L, K = rng.randint(1, 8), rng.randint(1, 4)
+    price = {(k, a, b): (math.inf if rng.random() < 0.15 else rng.uniform(0.1, 5.0))
+             for k in range(K) for a in range(L) for b in range(a + 1, L + 1)}
+    links = {(j, k): rng.uniform(0, 1.0) for j in range(K) for k in range(K)}
+    shrink = {s: rng.uniform(0, 1) for s in price}
+    priced = []
+
+    def stage(k, a, b):
+        priced.append((k, a, b))
+        return price[k, a, b]
+
+    split = best_split(L, K, stage, lambda j, k: links[j, k], objective,
+                       lambda k, a, b: price[k, a, b] * shrink[k, a, b] if price[k, a, b] < math.inf else 0.0,
+                       monotone=False)
+    cost, splits = cheapest_splits(L, K, lambda *s: price[s], lambda j, k: links[j, k], objective)
+    if cost == math.inf:
+        assert split is None
+        return
+    # the same split (one of them where several cost the same: common under "max")
+    assert split.stages in splits and split.cost_s == pytest.approx(cost, rel=1e-12)
+    assert len(set(priced)) == len(priced)  # no stage priced twice
 
 
 def test_llama_cpp_splits_layer_slots_by_cumulative_free_memory():

@@ -1,0 +1,93 @@
+"""Replicas (data parallel) under the throughput objective: alike groups of devices each running
+the same pipeline, their rates added; figures derived by hand from one group's solved stages."""
+
+import dataclasses
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from hetplan.compiler import CompileRequest, stage_solver
+from hetplan.hardware import PeerLink
+from hetplan.pipeline import plan_pipeline, stage_problem
+from hetplan.pipeline.compile import best_replicas
+from hetplan.pipeline.replicas import first_group, replica_counts, replicas_fit_dram
+from hetplan.pipeline.topology import Topology
+from hetplan.schema.pipeline import Pipeline
+from hetplan.workload import Workload
+from tests.conftest import GIB, tiny_node, tiny_spec
+
+WL = Workload(batch=1, prompt_len=64, gen_len=16, objective="throughput", prefill_chunk=64)
+SOLVE = stage_solver(CompileRequest(model="tiny", hw="tiny"))
+
+
+def gpus(*gib: float, kind: str = "nvswitch"):
+    """A tiny node with one GPU of ``gib`` GiB per argument, every pair linked at 100 GB/s."""
+    hw = tiny_node(gib[0])
+    cards = tuple(dataclasses.replace(hw.gpu, memory_bytes=int(g * GIB)) for g in gib)
+    peers = tuple(PeerLink(a, b, kind, 100e9) for a in range(len(gib)) for b in range(a + 1, len(gib)))
+    return dataclasses.replace(hw, gpus=cards, peers=peers)
+
+
+def test_four_replicas_of_a_model_fitting_one_gpu_beat_a_four_stage_pipeline():
+    spec = tiny_spec(n_layers=4)
+    hw = gpus(1, 1, 1, 1)
+    one = SOLVE(stage_problem(spec, hw, WL, 0, 0, 4))  # the whole model on one GPU
+    assert one is not None
+    pipe = plan_pipeline(spec, hw, WL, SOLVE, objective="max")
+    best = best_replicas(spec, Topology.of(hw), pipe, SOLVE)
+    # each of 4 GPUs decodes its own sequence in one GPU's TPOT: 4 x batch / tpot
+    want = 4 * WL.batch / one.predicted["tpot_s"]
+    assert best.replicas == 4 and len(best.stages) == 1
+    assert best.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(want, rel=1e-9)
+    assert best.predicted()["decode_tokens_per_s"] == pytest.approx(want, rel=1e-9)
+    # the best single pipeline over the 4 GPUs runs at its slowest stage or link, below that
+    assert want > pipe.predicted()["pipelined_decode_tokens_per_s"]
+    d = best.to_dict()
+    assert d["replicas"] == 4 and d["devices"] == 4
+    Pipeline.model_validate(json.loads(json.dumps(d)))  # the schema takes it, and no count below 1
+    with pytest.raises(ValidationError, match="replicas"):
+        Pipeline.model_validate(json.loads(json.dumps(dict(d, replicas=0))))
+
+
+def test_the_replica_count_is_the_one_serving_the_most_sequences():
+    # ~3 MiB GPUs: one holds the model only by keeping blocks in DRAM, two hold it resident.
+    # Candidates, each priced from its own solved stages: 4 replicas of one GPU (4 / its TPOT),
+    # 2 replicas of the best pair (2 / the pair's slowest stage or link), one pipeline over all 4
+    spec = tiny_spec(n_layers=4)
+    hw = gpus(*[3 / 1024] * 4)
+    one = SOLVE(stage_problem(spec, hw, WL, 0, 0, 4))
+    assert one.memory["cpu_bytes"] > 0 and any(p["weights"] != "gpu" for p in one.placement)
+    pair = plan_pipeline(spec, gpus(3 / 1024, 3 / 1024), WL, SOLVE, objective="max")
+    pair_slowest = max([s.plan.predicted["tpot_s"] for s in pair.stages] + [l["decode_s"] for l in pair.links])
+    whole = plan_pipeline(spec, hw, WL, SOLVE, objective="max")
+    rates = {4: 4 * WL.batch / one.predicted["tpot_s"], 2: 2 * WL.batch / pair_slowest,
+             1: whole.predicted()["pipelined_decode_tokens_per_s"]}
+    best = best_replicas(spec, Topology.of(hw), whole, SOLVE)
+    assert best.replicas == max(rates, key=rates.get)
+    assert best.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(max(rates.values()), rel=1e-9)
+
+
+def test_only_alike_groups_of_devices_make_replicas():
+    assert replica_counts(Topology.of(gpus(1, 1, 1, 1))) == [2, 4]
+    assert replica_counts(Topology.of(gpus(1, 2, 1, 2))) == [2]  # [1, 2] twice
+    assert replica_counts(Topology.of(gpus(1, 1, 2, 2))) == []
+    assert replica_counts(Topology.of(gpus(1, 1, 1))) == [3]
+    # a group's links are its own, renumbered from 0
+    hw = gpus(1, 1, 1, 1)
+    (group,) = first_group(Topology.of(hw), 2).nodes
+    assert len(group.gpus) == 2 and group.peer(0, 1).kind == "nvswitch"
+    # a link that differs between the groups: GPUs 0-1 on NVLink, 2-3 through the host
+    mixed = dataclasses.replace(hw, peers=(PeerLink(0, 1, "nvlink", 100e9),))
+    assert replica_counts(Topology.of(mixed)) == [4]
+
+
+def test_replicas_on_one_node_share_its_dram():
+    spec = tiny_spec(n_layers=4)
+    hw = gpus(1, 1)
+    pp = plan_pipeline(spec, first_group(Topology.of(hw), 2), WL, SOLVE, objective="max")
+    cpu = sum(s.plan.memory["cpu_bytes"] for s in pp.stages)
+    assert cpu > 0  # the stage keeps something (its workspace) in DRAM
+    tight = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, memory_bytes=int(1.5 * cpu)))
+    assert replicas_fit_dram(Topology.of(hw), 2, pp.stages)
+    assert not replicas_fit_dram(Topology.of(tight), 2, pp.stages)
