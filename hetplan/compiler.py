@@ -114,7 +114,7 @@ def parse_strategy(text: str) -> tuple[str, int | str | None]:
 
 def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
     """The model and the machine: a HardwareSpec, or a ``Topology`` for a cluster."""
-    from hetplan.cluster import load_hardware
+    from hetplan.pipeline.cluster import load_hardware
     from hetplan.pipeline.compile import with_gpu_budgets
 
     hw = load_hardware(req.hw)

@@ -1,7 +1,7 @@
 """The cluster.yaml schema: the nodes of a cluster (each a node preset or a node.yaml path) and
 the network between them. Strict like node.yaml: an unknown key is refused with the accepted
 ones listed, a bandwidth or a latency must carry its unit (``10Gbit/s`` or ``1.25GB/s``;
-``50us``, ``0.1ms``). Knows nothing about planning: ``hetplan.cluster`` loads the nodes.
+``50us``, ``0.1ms``). Knows nothing about planning: ``hetplan.pipeline.cluster`` loads the nodes.
 """
 
 from __future__ import annotations

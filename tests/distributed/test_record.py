@@ -11,7 +11,7 @@ import pytest
 from hetplan.canonical import rounded
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError
-from hetplan.cluster import load_hardware
+from hetplan.pipeline.cluster import load_hardware
 from hetplan.pipeline.record import STAGE_KEYS, stage_plan, whole_model
 from hetplan.plan import Plan
 from hetplan.plan.format import PhaseSchedule, Task

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hetplan.cluster import load_hardware
+from hetplan.pipeline.cluster import load_hardware
 from hetplan.compiler import CompileRequest, stage_solver
 from hetplan.pipeline import plan_pipeline
 from hetplan.pipeline.plan import fixed_pipeline
