@@ -74,3 +74,18 @@ def pipeline_plan(model_dir, node_path, cuts: list, strategies: list, wl: Worklo
 def tiers(plan: Plan) -> set:
     """What the stages' own plans hold: ``gpu``, ``stream``, ``cpu`` weights of layer blocks."""
     return {p["weights"] for st in plan.pipeline["stages"] for p in st["plan"]["placement"] if p["layer"] is not None}
+
+
+def reference(model, ids: torch.Tensor, gen_len: int) -> dict:
+    """transformers on ``ids`` alone, greedy: prefill logits [B, P, V], decode logits [G, B, V]
+    and the generated tokens; refuses a prompt whose greedy choices come near a tie."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model.generate(ids, max_new_tokens=gen_len, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+    steps = torch.stack(out.logits)
+    top2 = steps.topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "prompt too close to a greedy tie"
+    return {"prefill": full, "steps": steps, "tokens": out.sequences[:, ids.shape[1]:].tolist()}

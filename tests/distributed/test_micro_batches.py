@@ -20,6 +20,7 @@ from hetplan.runtime.distributed.worker import _for_micro_batches, expected_rate
 from hetplan.runtime.session import RunOptions
 from hetplan.workload import Workload
 from tests.distributed.pipelines import pipeline_plan
+from tests.distributed.pipelines import reference as transformers_run
 
 PROMPT_LEN, GEN_LEN, TOL = 8, 10, 1e-4
 KV_BYTES_PER_LAYER_TOKEN = 2 * 2 * 16 * 4
@@ -27,17 +28,8 @@ KV_BYTES_PER_LAYER_TOKEN = 2 * 2 * 16 * 4
 
 
 def reference(model, ids: torch.Tensor) -> dict:
-    """transformers on one group alone: prefill logits [B, P, V], decode logits [G, B, V], tokens."""
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model.generate(ids, max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    steps = torch.stack(out.logits)
-    top2 = steps.topk(2, dim=-1).values
-    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "prompt too close to a greedy tie"
-    return {"prefill": full, "steps": steps, "tokens": out.sequences[:, PROMPT_LEN:].tolist()}
+    """transformers on one group alone (``pipelines.reference``)."""
+    return transformers_run(model, ids, GEN_LEN)
 
 
 CASES = {

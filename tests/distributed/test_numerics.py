@@ -15,7 +15,7 @@ import torch
 from hetplan.runtime.distributed.launch import run_pipeline
 from hetplan.runtime.session import RunOptions
 from hetplan.workload import Workload
-from tests.distributed.pipelines import pipeline_plan, tiers
+from tests.distributed.pipelines import pipeline_plan, reference, tiers
 
 PROMPT_LEN, GEN_LEN, TOL = 8, 12, 1e-4
 
@@ -24,17 +24,7 @@ PROMPT_LEN, GEN_LEN, TOL = 8, 12, 1e-4
 def llama(llama_files):
     d, node, model = llama_files
     ids = torch.randint(0, 128, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model.generate(ids, max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    steps = torch.stack(out.logits)                                    # [G, B, V]
-    top2 = steps.topk(2, dim=-1).values
-    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "fixture too close to a greedy tie"
-    return d, node, ids, {"prefill": full, "steps": steps,
-                                            "tokens": out.sequences[:, PROMPT_LEN:].tolist()}
+    return d, node, ids, reference(model, ids, GEN_LEN)
 
 
 CASES = {
