@@ -19,6 +19,7 @@ SWITCHES = {
                          "(default 0: the native kernel upcasting per block, faster at decode)",
     "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI is)",
     "HETPLAN_INT8_DECODE": "multiply decode activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI is)",
+    "HETPLAN_HUGE_PAGES": "ask for transparent huge pages under weights and caches in host memory (default 1)",
 }
 PATHS = {"HETPLAN_CACHE": "the folder native kernels are built into (default ~/.cache/hetplan)"}
 

@@ -1,0 +1,51 @@
+"""Host weights and caches of a few MiB and more sit in memory advised for transparent huge
+pages, starting on a 2 MiB boundary, unless ``HETPLAN_HUGE_PAGES=0``; the advice is read back
+from the kernel's own record of the mapping (``VmFlags: hg`` in ``/proc/self/smaps``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from hetplan.runtime.devices import HUGE_MIN_BYTES, HUGE_PAGE_BYTES, Devices, host_empty
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+
+
+def vm_flags(address: int) -> set:
+    """The kernel's flags of the mapping holding ``address``."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_host_buffer_is_aligned_advised_and_usable():
+    n = 3 * HUGE_PAGE_BYTES + 12345
+    t = host_empty(n)
+    assert t.numel() == n and t.dtype == torch.uint8
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert "hg" in vm_flags(t.data_ptr())
+    t.fill_(7)
+    assert int(t[-1]) == 7 and int(t.sum()) == 7 * n
+
+
+def test_large_cpu_allocations_use_huge_pages_and_the_switch_turns_them_off(monkeypatch):
+    devices = Devices("cpu")
+    big = devices.empty("cpu", (HUGE_MIN_BYTES // 4,), torch.float32, "a weight")
+    assert big.data_ptr() % HUGE_PAGE_BYTES == 0 and "hg" in vm_flags(big.data_ptr())
+    big.copy_(torch.arange(big.numel(), dtype=torch.float32))
+    assert float(big[-1]) == big.numel() - 1
+    small = devices.empty("cpu", (1024,), torch.float32, "a small cache")
+    assert "hg" not in vm_flags(small.data_ptr())
+    monkeypatch.setenv("HETPLAN_HUGE_PAGES", "0")
+    plain = devices.empty("cpu", (HUGE_MIN_BYTES // 4,), torch.float32, "a weight")
+    assert "hg" not in vm_flags(plain.data_ptr())
+    assert devices.ledgers["cpu"].used_bytes == 2 * HUGE_MIN_BYTES + 4096
