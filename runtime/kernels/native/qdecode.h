@@ -140,6 +140,10 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
       const int groups = static_cast<int>((here + 3) / 4);
       for (int gi = 0; gi < groups; ++gi) {
         const int64_t g = 4 * c + gi, at = g * gbytes;
+        // Weight bytes are read once per step: fetched ahead as non-temporal, they stay out of
+        // L2/L3, where the small ops between GEMVs (norms, rope, the interpreter) keep their data.
+        _mm_prefetch(reinterpret_cast<const char*>(w + at) + 1024, _MM_HINT_NTA);
+        if (signed_w) _mm_prefetch(reinterpret_cast<const char*>(w + at) + 1088, _MM_HINT_NTA);
         if (signed_w) {
           const bool whole = at + 128 <= vbytes;   // plain loads where the group is whole
           const __m512i a = whole ? _mm512_loadu_si512(w + at) : _mm512_maskz_loadu_epi8(first_bytes(vbytes - at), w + at);

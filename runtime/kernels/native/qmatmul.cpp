@@ -242,6 +242,11 @@ void direct_rows(const Rows& r, const float* __restrict x, int64_t Kp, float* __
     __m512 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < whole; ++b) {
+      if (FMT == BF16 || FMT == FP16 || FMT == FP32) {   // streamed once: keep it out of L2/L3 (see qdecode.h)
+        const char* ahead = reinterpret_cast<const char*>(r.p[0] + n * r.stride[0]) + (FMT == FP32 ? 128 : 64) * b + 1024;
+        _mm_prefetch(ahead, _MM_HINT_NTA);
+        if (FMT == FP32) _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+      }
       __m512 w0, w1;
       block_vec<FMT>(r, n, b, w0, w1);
       for (int m = 0; m < M; ++m) {
