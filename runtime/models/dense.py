@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from hetplan.runtime.kernels import native
 from hetplan.runtime.kernels.linear import linear, linear_t
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
@@ -146,7 +147,10 @@ class DenseBackend:
             q, k, v = linear_t(h.view(b * n, -1), w["qkv_t"]).add_(w["qkv_bias"]).split(s.hidden, dim=-1)
         elif "qkv" in w:
             kv_dim = s.n_kv_heads * s.head_dim
-            q, k, v = linear(h, w["qkv"], w.get("qkv_bias")).split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
+            qkv = linear(h, w["qkv"], w.get("qkv_bias"))
+            if self.rope_inv_freq is not None and not s.qk_norm and self._rope_in_place(qkv, c):
+                return self._split_heads(qkv, b, n)
+            q, k, v = qkv.split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
         else:
             q, k, v = (linear(h, w[p], w.get(f"{p}_bias")) for p in ("q", "k", "v"))
         q = q.reshape(b, n, s.n_heads, s.head_dim)             # [B, S, H, hd]
@@ -162,6 +166,25 @@ class DenseBackend:
         if self.q_scale is not None:
             q = q * self.q_scale
         return {"q": q, "k": k, "v": v}
+
+    def _rope_in_place(self, qkv: torch.Tensor, c: StageCall) -> bool:
+        """Rotate the q and k heads of a fused projection [B, S, (H + 2 KVH) hd] in place with the
+        native kernel (one call for what ``_rope`` does in ~14 torch ops); False where it cannot
+        (not on the CPU, no native kernel, a layout it does not take): ``_rope`` then runs."""
+        mod = native.module() if qkv.device.type == "cpu" and qkv.is_contiguous() else None
+        cos, sin = self._tables[c.device]
+        if mod is None or cos.dtype != qkv.dtype:
+            return False
+        s, n = self.spec, qkv.shape[1]
+        mod.rope_(qkv.view(-1, qkv.shape[-1]), cos, sin, n, c.step.start, s.n_heads + s.n_kv_heads, s.head_dim)
+        return True
+
+    def _split_heads(self, qkv: torch.Tensor, b: int, n: int) -> dict:
+        s = self.spec
+        kv_dim = s.n_kv_heads * s.head_dim
+        q, k, v = qkv.split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
+        return {"q": q.reshape(b, n, s.n_heads, s.head_dim), "k": k.reshape(b, n, s.n_kv_heads, s.head_dim),
+                "v": v.reshape(b, n, s.n_kv_heads, s.head_dim)}
 
     def _attn_core(self, c: StageCall) -> dict:
         q, k, v = c.inputs["q"], c.inputs["k"], c.inputs["v"]
@@ -213,8 +236,13 @@ class DenseBackend:
         w, x = c.weights, c.inputs["x"]
         h = self._norm(x, w)
         if "gate_up" in w:
-            gate, up = linear(h, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
-            y = linear(self.act(gate).mul_(up), w["down"], w.get("down_bias"))
+            gu = linear(h, w["gate_up"], w.get("gate_up_bias"))
+            mod = native.module() if gu.device.type == "cpu" and gu.is_contiguous() and self.act is F.silu else None
+            if mod is not None:   # one call for chunk, silu and mul
+                y = linear(mod.silu_mul(gu), w["down"], w.get("down_bias"))
+            else:
+                gate, up = gu.chunk(2, dim=-1)
+                y = linear(self.act(gate).mul_(up), w["down"], w.get("down_bias"))
         elif "gate" in w:
             y = self.act(linear(h, w["gate"], w.get("gate_bias"))).mul_(linear(h, w["up"], w.get("up_bias")))
             y = linear(y, w["down"], w.get("down_bias"))
@@ -253,7 +281,12 @@ def by_chunks(fn, c: StageCall) -> dict:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), the mean taken in fp32 over the last dim."""
+    """weight * x / sqrt(mean(x^2) + eps), the mean taken in fp32 over the last dim (on the CPU
+    in one native call where the kernel is built: the same roundings, see ``smallops.h``)."""
+    if x.device.type == "cpu" and x.is_contiguous() and weight.dtype == x.dtype and weight.is_contiguous():
+        mod = native.module()
+        if mod is not None:
+            return mod.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

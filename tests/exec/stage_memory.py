@@ -11,12 +11,14 @@ beyond its weights and KV cache: the planner's workspace must cover it.
 from __future__ import annotations
 
 import weakref
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hetplan.runtime.backend import Step, StageCall
+from hetplan.runtime.kernels import native
 from hetplan.runtime.models.dense import DenseBackend
 from hetplan.runtime.models.dense_layout import FUSED
 
@@ -74,7 +76,9 @@ def prefill_peak_bytes(spec, batch: int, prompt: int, chunk: int) -> int:
     def call(kind, block, layer, inputs):
         return backend.run(StageCall(kind, block, layer, dev, blocks[block], inputs, step))
 
-    with torch.inference_mode(), LiveBytes() as live:
+    # The planner prices this workspace for a GPU, where the stages run torch's ops: the CPU's
+    # native norms, rope and kernels (fewer temporaries) are kept out of the measurement.
+    with torch.inference_mode(), mock.patch.object(native, "module", lambda: None), LiveBytes() as live:
         x = call("embed", "embed", None, {"ids": ids})["x"]
         for l in range(spec.n_layers):
             qkv = call("attn_in", f"attn_{l}", l, {"x": x})

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
-HEADERS = (Path(__file__).with_name("qint8.h"), Path(__file__).with_name("qdecode.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("qint8.h", "qdecode.h", "smallops.h"))
 """Files ``SOURCE`` includes: part of the build key, copied beside it."""
 NAME = "hetplan_qmatmul"
 BUILD_SCHEME = b"source copied into the build directory; OpenMP"

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
+#include <cmath>
 #include <cstring>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -228,6 +229,7 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
 
 #include "qint8.h"
 #include "qdecode.h"
+#include "smallops.h"
 
 // Rows [n0, n1) of y for M rows of x (padded to Kp): FMT and M known at compile time, so the
 // block's 32 weights and the M accumulators stay in vector registers (AVX-512 intrinsics where
@@ -455,4 +457,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8", &has_int8, "whether prefill can multiply in int8 (AVX-512 VNNI)");
   m.def("dequantise", &dequantise, "rows [n0, n1) of a packed W into an fp32 tensor");
   m.def("parallel_threads", &parallel_threads, "threads one parallel region of this library runs on");
+  m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)).to(dtype) over the last dim");
+  m.def("rope_", &rope_, "rotary embeddings in place on the first heads of each row of a fused q|k|v");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [..., 2 I] gate|up");
 }

@@ -1,0 +1,98 @@
+// The small per-token ops of a decoder layer in one call each: RMSNorm, rotary embeddings in
+// place on a fused q|k|v row, and SiLU(gate) * up. Included by qmatmul.cpp inside its namespace.
+//
+// Between two GEMVs that stream their weights from DRAM, each separate torch op (and the
+// interpreter running it) starts from cold caches; a layer's norms and rope were ~26 such ops.
+// Each function here computes what the torch expression beside it computes, rounding to the
+// tensor's dtype (fp32, bf16, fp16) exactly where torch's elementwise ops round, so a 16-bit run
+// differs from the torch path only in the order of a norm's sum of squares (fp32 accumulation).
+// Rows are independent: threads take whole rows when there are many.
+
+template <class T>
+inline float to_f(T v) { return static_cast<float>(v); }
+template <class T>
+inline T from_f(float v) { return static_cast<T>(v); }   // c10's round-to-nearest-even for bf16 / fp16
+
+// out[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)).to(dtype), the mean taken in fp32
+// (torch: weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).
+template <class T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, rows * D >= (1 << 16) ? 1 : rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      T* o = out + r * D;
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      for (int64_t i = 0; i < D; ++i) o[i] = from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(xr[i]) * inv)));
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && w.is_contiguous() && w.scalar_type() == x.scalar_type() &&
+              w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: contiguous CPU x [..., D] and weight [D] of x's dtype");
+  auto out = torch::empty_like(x);
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, D,
+                            static_cast<float>(eps));
+  });
+  return out;
+}
+
+// In place on the first (hq + hk) heads of each row of y [rows, >= (hq + hk) * hd] (a fused
+// q|k|v projection; row r is position start + r % S): x * cos + rotate_half(x) * sin with the
+// position's row of the cos / sin tables [T, hd] (rotate_half([a, b]) = [-b, a]).
+template <class T>
+void rope_rows(T* y, int64_t ld, const T* cos, const T* sin, int64_t rows, int64_t S, int64_t start, int64_t heads,
+               int64_t hd) {
+  const int64_t half = hd / 2;
+  at::parallel_for(0, rows, rows >= 64 ? 1 : rows, [&](int64_t r0, int64_t r1) {
+    std::vector<float> x(hd);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* c = cos + (start + r % S) * hd;
+      const T* s = sin + (start + r % S) * hd;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = y + r * ld + h * hd;
+        for (int64_t i = 0; i < hd; ++i) x[i] = to_f(v[i]);
+        for (int64_t i = 0; i < hd; ++i) {
+          const float rot = i < half ? -x[i + half] : x[i - half];
+          v[i] = from_f<T>(to_f(from_f<T>(x[i] * to_f(c[i]))) + to_f(from_f<T>(rot * to_f(s[i]))));
+        }
+      }
+    }
+  });
+}
+
+void rope_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t S, int64_t start, int64_t heads, int64_t hd) {
+  TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.scalar_type() == y.scalar_type() && sin.scalar_type() == y.scalar_type() && hd % 2 == 0 &&
+              cos.size(1) == hd && S > 0 && y.size(0) % S == 0 && start + S <= cos.size(0) && heads * hd <= y.size(1),
+              "rope_: y [rows, cols] with unit column stride, cos / sin [T, hd] of y's dtype covering the positions");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "rope_", [&] {
+    rope_rows<scalar_t>(y.data_ptr<scalar_t>(), y.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                        y.size(0), S, start, heads, hd);
+  });
+}
+
+// g [rows, 2 I] (gate | up) -> silu(gate) * up [rows, I] (torch: F.silu(gate).mul_(up)).
+torch::Tensor silu_mul(torch::Tensor g) {
+  TORCH_CHECK(g.device().is_cpu() && g.is_contiguous() && g.size(-1) % 2 == 0, "silu_mul: contiguous CPU [..., 2 I]");
+  const int64_t I = g.size(-1) / 2, rows = I ? g.numel() / (2 * I) : 0;
+  auto sizes = g.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, g.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul", [&] {
+    const scalar_t* p = g.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, rows * I >= (1 << 16) ? 1 : rows, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < I; ++i) {
+          const float a = to_f(p[r * 2 * I + i]);
+          o[r * I + i] = from_f<scalar_t>(to_f(from_f<scalar_t>(a / (1.f + std::exp(-a)))) * to_f(p[r * 2 * I + I + i]));
+        }
+    });
+  });
+  return out;
+}
