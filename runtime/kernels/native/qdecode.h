@@ -40,6 +40,35 @@ inline int64_t value_bytes(int fmt, int64_t K) {
   }
 }
 
+// Block j of group g (32 values of x at xr) quantised and stored as quantise_xd lays it out:
+// dx = max|x| / 127, qx = round-to-nearest-even(x * (1 / dx)) (std::nearbyint's rounding under
+// the default mode, as the cvtps conversion rounds), its sum returned for the offsets.
+template <int FMT>
+inline void quantise_block(const float* xr, int8_t* g, int j, float& dx, int& sum) {
+  const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  dx = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i q0 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+  const __m512i q1 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  auto store = [](int8_t* at, __m512i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtepi32_epi8(v)); };
+  if (FMT == Q8_0 || FMT == INT8) {          // u = qx + 128, values in order
+    const __m512i u128 = _mm512_set1_epi32(128);
+    store(g + 32 * j, _mm512_add_epi32(q0, u128));
+    store(g + 32 * j + 16, _mm512_add_epi32(q1, u128));
+  } else if (FMT == Q4_0) {                  // values 0-15 to A, 16-31 to B
+    store(g + 16 * j, q0);
+    store(g + 64 + 16 * j, q1);
+  } else {                                   // even values to A, odd to B
+    alignas(64) static const int32_t even[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    alignas(64) static const int32_t odd[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    store(g + 16 * j, _mm512_permutex2var_epi32(q0, _mm512_load_si512(even), q1));
+    store(g + 64 + 16 * j, _mm512_permutex2var_epi32(q0, _mm512_load_si512(odd), q1));
+  }
+}
+
 template <int FMT>
 XD quantise_xd(const float* x, int64_t M, int64_t K) {
   constexpr bool signed_w = FMT == Q8_0 || FMT == INT8;
@@ -56,6 +85,16 @@ XD quantise_xd(const float* x, int64_t M, int64_t K) {
     int8_t* ab = q.ab.data() + m * q.ng * 128;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t k0 = 32 * b, k1 = std::min<int64_t>(K, k0 + 32);
+      if (k1 - k0 == 32) {   // a whole block: the same values as the loop below, 32 lanes at a time
+        int8_t* g = ab + (b / 4) * 128;
+        const int j = static_cast<int>(b % 4);
+        float dx;
+        int sum;
+        quantise_block<FMT>(xr + k0, g, j, dx, sum);
+        q.dx[m * 16 * q.nc + b] = dx;
+        q.sx[m * 16 * q.nc + b] = dx * static_cast<float>(sum);
+        continue;
+      }
       float amax = 0.f;
       for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
       const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
