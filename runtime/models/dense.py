@@ -339,6 +339,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     kvh = k.shape[2]
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)              # [B, KVH, T, hd]
     if n == 1:
+        mod = native.module() if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype else None
+        if mod is not None and all(t.stride(3) == 1 and t.stride(2) == hd for t in (q, k, v)):
+            # one call for the step's attention over the cache where it lies (smallops.h)
+            return mod.decode_attention(q, k, v, hd ** -0.5 if scale is None else scale)
         # One query per sequence sees every cached key: the G query heads sharing a key/value
         # head ride the sequence axis, so no key/value head is ever repeated.
         with _one_cpu_thread(q.device.type == "cpu" and k.numel() <= SMALL_ATTENTION_ELEMS):

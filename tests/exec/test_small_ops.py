@@ -68,3 +68,24 @@ def test_silu_mul_is_torchs(dtype, shape):
     gu = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     gate, up = gu.chunk(2, dim=-1)
     close(native.module().silu_mul(gu), F.silu(gate).mul_(up), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,hd,length", [(1, 32, 8, 64, 1), (2, 8, 2, 64, 37), (3, 6, 6, 16, 300),
+                                                             (1, 4, 1, 128, 2000)])
+def test_decode_attention_over_cache_views(dtype, batch, heads, kv_heads, hd, length):
+    """Against softmax(q k^T / sqrt(hd)) v in fp64 on the same (rounded) inputs, the caches read
+    as views of longer buffers; the output rounds once to the dtype."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(batch, 1, heads, hd, generator=g).to(dtype)
+    kc, vc = (torch.randn(batch, length + 9, kv_heads, hd, generator=g).to(dtype) for _ in range(2))
+    k, v = kc[:, :length], vc[:, :length]
+    out = native.module().decode_attention(q, k, v, hd ** -0.5)
+    rep = heads // kv_heads
+    kk = k.double().repeat_interleave(rep, dim=2).permute(0, 2, 3, 1)      # [B, H, hd, T]
+    vv = v.double().repeat_interleave(rep, dim=2).transpose(1, 2)          # [B, H, T, hd]
+    p = torch.softmax(q.double().transpose(1, 2) @ kk * hd ** -0.5, dim=-1)  # [B, H, 1, T]
+    ref = (p @ vv).transpose(1, 2).reshape(batch, 1, heads * hd)
+    ulp = {torch.float32: 2**-22, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert ((out.double() - ref).abs() <= ref.abs() * ulp + ulp * 1e-2 + 1e-6).all()

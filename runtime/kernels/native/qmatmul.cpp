@@ -460,4 +460,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)).to(dtype) over the last dim");
   m.def("rope_", &rope_, "rotary embeddings in place on the first heads of each row of a fused q|k|v");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [..., 2 I] gate|up");
+  m.def("decode_attention", &decode_attention, "one query per sequence over its cached keys and values");
 }

@@ -1,5 +1,6 @@
 // The small per-token ops of a decoder layer in one call each: RMSNorm, rotary embeddings in
-// place on a fused q|k|v row, and SiLU(gate) * up. Included by qmatmul.cpp inside its namespace.
+// place on a fused q|k|v row, SiLU(gate) * up and a decode step's attention. Included by
+// qmatmul.cpp inside its namespace.
 //
 // Between two GEMVs that stream their weights from DRAM, each separate torch op (and the
 // interpreter running it) starts from cold caches; a layer's norms and rope were ~26 such ops.
@@ -95,4 +96,65 @@ torch::Tensor silu_mul(torch::Tensor g) {
     });
   });
   return out;
+}
+
+// One new query per sequence over its cached keys: o [B, 1, H hd] = softmax(q k^T * scale) v over
+// positions [0, T) (torch: scaled_dot_product_attention with the G = H / KVH query heads of a
+// key/value head sharing it), q [B, 1, H, hd], k / v [B, T, KVH, hd] views whose (head, dim) rows
+// are contiguous; scores, softmax and sums in fp32, the output rounded once to the dtype.
+// Threads take (sequence, key/value head) pairs when the cache is long enough to share.
+template <class T>
+void decode_attention_heads(const T* q, int64_t qs0, const T* k, int64_t ks0, int64_t ks1, const T* v, int64_t vs0,
+                            int64_t vs1, T* o, int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t len, float scale) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, len * H * hd >= (1 << 17) ? 1 : B * KVH, [&](int64_t p0, int64_t p1) {
+    std::vector<float> qf(G * hd), s(G * len), acc(G * hd);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / KVH, h = p % KVH;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < hd; ++i) qf[g * hd + i] = to_f(q[b * qs0 + (h * G + g) * hd + i]);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* kt = k + b * ks0 + t * ks1 + h * hd;
+        for (int64_t g = 0; g < G; ++g) {
+          float dot = 0.f;
+          for (int64_t i = 0; i < hd; ++i) dot += qf[g * hd + i] * to_f(kt[i]);
+          s[g * len + t] = dot * scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[g * len + t]);
+        for (int64_t t = 0; t < len; ++t) sum += (s[g * len + t] = std::exp(s[g * len + t] - mx));
+        for (int64_t t = 0; t < len; ++t) s[g * len + t] /= sum;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const T* vt = v + b * vs0 + t * vs1 + h * hd;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = s[g * len + t];
+          for (int64_t i = 0; i < hd; ++i) acc[g * hd + i] += w * to_f(vt[i]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < hd; ++i) o[b * H * hd + (h * G + g) * hd + i] = from_f<T>(acc[g * hd + i]);
+    }
+  });
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(1) == 1 &&
+              k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 &&
+              q.size(2) % k.size(2) == 0 && q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "decode_attention: q [B, 1, H, hd], k / v [B, T, KVH, hd] of q's dtype");
+  const int64_t hd = q.size(3);
+  for (const auto& t : {q, k, v})
+    TORCH_CHECK(t.stride(3) == 1 && t.stride(2) == hd, "decode_attention: each (head, dim) row contiguous");
+  const int64_t B = q.size(0), H = q.size(2), KVH = k.size(2), len = k.size(1);
+  auto o = torch::empty({B, 1, H * hd}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_heads<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0),
+                                     k.stride(1), v.data_ptr<scalar_t>(), v.stride(0), v.stride(1),
+                                     o.data_ptr<scalar_t>(), B, H, KVH, hd, len, static_cast<float>(scale));
+  });
+  return o;
 }
