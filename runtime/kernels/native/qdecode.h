@@ -150,8 +150,9 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
   const __m512i low4 = _mm512_set1_epi8(15), u128 = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = r.p[vp] + n * r.stride[vp];
-    __m512 acc[M], off[M];
-    for (int m = 0; m < M; ++m) acc[m] = off[m] = _mm512_setzero_ps();
+    constexpr bool two = M <= 2;      // two accumulators (M <= 2: registers to spare): alternate FMA chains overlap
+    __m512 acc[M], acc2[M], off[M];
+    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = off[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < q.nc; ++c) {
       const int64_t here = std::min<int64_t>(16, nbw - 16 * c);
       const __mmask16 bm = static_cast<__mmask16>(here >= 16 ? 0xffff : (1u << here) - 1);
@@ -195,7 +196,8 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
             const __m512i ia = _mm512_dpbusd_epi32(na, _mm512_loadu_si512(xg), a);
             const __m512i ib = _mm512_dpbusd_epi32(nb, _mm512_loadu_si512(xg + 64), b);
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_permutexvar_ps(idx[gi], dd[m]), acc[m]);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(idx_b[gi], dd[m]), acc[m]);
+            __m512& to = two ? acc2[m] : acc[m];
+            to = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(idx_b[gi], dd[m]), to);
           }
         } else {
           const __m512i v = at + 64 <= vbytes ? _mm512_loadu_si512(w + at) : _mm512_maskz_loadu_epi8(first_bytes(vbytes - at), w + at);
@@ -204,13 +206,14 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
             const int8_t* xg = q.ab.data() + (m * q.ng + g) * 128;
             const __m512i start = FMT == Q4_K_M ? _mm512_setzero_si512() : _mm512_loadu_si512(q.c.data() + (m * q.ng + g) * 16);
             const __m512i i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, a, _mm512_loadu_si512(xg)), b, _mm512_loadu_si512(xg + 64));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(idx[gi], dd[m]), acc[m]);
+            __m512& to = two && (gi & 1) ? acc2[m] : acc[m];
+            to = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(idx[gi], dd[m]), to);
           }
         }
       }
     }
     for (int m = 0; m < M; ++m)
-      y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) - (FMT == Q4_K_M ? _mm512_reduce_add_ps(off[m]) : 0.f);
+      y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m])) - (FMT == Q4_K_M ? _mm512_reduce_add_ps(off[m]) : 0.f);
   }
 }
 
