@@ -98,6 +98,30 @@ torch::Tensor silu_mul(torch::Tensor g) {
   return out;
 }
 
+#ifdef HETPLAN_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
+
+// sum_i a[i] * b[i] in fp32 (16 lanes at a time where AVX-512 is and n allows).
+template <class T>
+inline float dot_f(const float* a, const T* b, int64_t n) {
+  int64_t i = 0;
+  float out = 0.f;
+#ifdef HETPLAN_AVX512
+  if constexpr (!std::is_same<T, double>::value) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+    out = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; i < n; ++i) out += a[i] * to_f(b[i]);
+  return out;
+}
+
 // One new query per sequence over its cached keys: o [B, 1, H hd] = softmax(q k^T * scale) v over
 // positions [0, T) (torch: scaled_dot_product_attention with the G = H / KVH query heads of a
 // key/value head sharing it), q [B, 1, H, hd], k / v [B, T, KVH, hd] views whose (head, dim) rows
@@ -115,11 +139,7 @@ void decode_attention_heads(const T* q, int64_t qs0, const T* k, int64_t ks0, in
         for (int64_t i = 0; i < hd; ++i) qf[g * hd + i] = to_f(q[b * qs0 + (h * G + g) * hd + i]);
       for (int64_t t = 0; t < len; ++t) {
         const T* kt = k + b * ks0 + t * ks1 + h * hd;
-        for (int64_t g = 0; g < G; ++g) {
-          float dot = 0.f;
-          for (int64_t i = 0; i < hd; ++i) dot += qf[g * hd + i] * to_f(kt[i]);
-          s[g * len + t] = dot * scale;
-        }
+        for (int64_t g = 0; g < G; ++g) s[g * len + t] = dot_f(qf.data() + g * hd, kt, hd) * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {
