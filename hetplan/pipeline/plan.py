@@ -166,9 +166,10 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     ``max`` that is the number of stages, which the split decides; the split is searched with
     every stage holding one cache per device (the most stages there can be), and when it uses
     ``S`` stages of ``D`` devices, its stages are planned again holding ``S`` caches (less
-    memory: each still fits, and is at least as fast). A split of fewer stages is so priced
-    with more caches than it will hold, so the search may miss one that only fits, or is only
-    faster, with its own count; the plan it returns is sized consistently."""
+    memory: each still fits, and is at least as fast); a single device alone, priced with its
+    one cache, is taken when it is as fast. A split of 2 to ``D - 1`` stages is so priced with
+    more caches than it will hold, so the search may miss one that only fits, or is only
+    faster, with its own count (never on two devices); the plan it returns is sized consistently."""
     from hetplan.solvers.pipeline import best_split
 
     topo = Topology.of(hw)
@@ -215,12 +216,30 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     if split is None:
         raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(devices)} devices of "
                               f"{topo.name!r} fits (each stage's GPU, with its host's DRAM)")
-    m = micro_batch_count(objective, len(split.stages))
-    stages = tuple(StagePlan(devices[k][1], a, b, stage_plan(k, a, b, m), devices[k][0]) for k, a, b in split.stages)
-    check_dram(spec, topo, stages)
-    alone = [c for c in (_alone(k, lambda *s: stage(*s, 1), lower, L, split.cost_s) for k in sorted(set(kind))) if c]
-    return PipelinePlan(stages, _links(topo, spec, wl, stages), wl, objective, topo, min(alone) if alone else None,
-                        spec, micro_batches=m)
+    alone = {k: c for k in sorted(set(kind)) if (c := _alone(k, lambda *s: stage(*s, 1), lower, L, split.cost_s))}
+    pp = _sized(spec, topo, wl, objective, split.stages, stage_plan, min(alone.values()) if alone else None)
+    if objective == "max" and len(pp.stages) > 1:   # one device alone holds one KV cache, not one per device
+        k, (best_s, exact) = min(alone.items(), key=lambda kc: kc[1], default=(None, (math.inf, False)))
+        if exact and best_s <= pp.objective_s() * (1 + 1e-12):
+            pp = _sized(spec, topo, wl, objective, ((k, 0, L),), stage_plan, alone[k])
+    check_dram(spec, topo, pp.stages)
+    return pp
+
+
+def _sized(spec, topo, wl, objective, split, stage_plan, alone) -> PipelinePlan:
+    """The pipeline of ``split`` ((device, first, end) per stage), each stage holding one KV
+    cache per micro-batch it keeps in flight (``micro_batch_count``)."""
+    m = micro_batch_count(objective, len(split))
+    devices = topo.devices
+    stages = []
+    for k, a, b in split:
+        p = stage_plan(k, a, b, m)
+        if p is None:
+            raise InfeasibleError(f"{spec.name}: layers {a}-{b - 1} on {topo.device_name(devices[k])} do not fit "
+                                  f"with {m} KV cache(s), one per micro-batch in flight")
+        stages.append(StagePlan(devices[k][1], a, b, p, devices[k][0]))
+    return PipelinePlan(tuple(stages), _links(topo, spec, wl, stages), wl, objective, topo, alone, spec,
+                        micro_batches=m)
 
 
 def fixed_pipeline(spec: ModelSpec, hw, wl: Workload, split: tuple, solve_stage, objective: str = "sum"):
