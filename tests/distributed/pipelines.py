@@ -37,11 +37,11 @@ latency: {gpu_task: 1.0e-6, cpu_task: 1.0e-6, link_task: 1.0e-6}
 """
 
 
-def save_llama(directory) -> transformers.PreTrainedModel:
+def save_llama(directory, hidden: int = 64, intermediate: int = 96) -> transformers.PreTrainedModel:
     """A 4-layer llama (hidden 64, GQA, vocab 128), weights drawn wide (std 0.2) so that greedy
     choices are far from ties, saved in ``directory``."""
     torch.manual_seed(1234)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=N_LAYERS,
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=N_LAYERS,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                       max_position_embeddings=4096, initializer_range=0.2)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -2,9 +2,10 @@
 processes (replica r's stage s is rank r x S + s), each replica on its own sequences; every
 sequence's greedy tokens equal transformers' and its logits are within 1e-4 of their scale
 (fp32, emulated GPUs); the report gathers every replica's tokens and rates; torchrun's
-WORLD_SIZE must be R x S. The plan comes from the planner's own function for a given replica
-count (``hetplan.pipeline.compile.replicated``): on the four tiny GPUs a single GPU holds the
-tiny llama, and the planner's choice for it is then four replicas of one stage, not two of two."""
+WORLD_SIZE must be R x S. The plan is compiled (``compile_plan``, ``--objective throughput``): a
+4-layer llama of hidden 128 (~2.4 MB in fp32) on four 2 MiB GPUs, which hold it twice over: the
+planner chooses two replicas of a two-stage pipeline (over four replicas of a GPU that streams
+half of it, and one pipeline of four stages)."""
 
 from __future__ import annotations
 
@@ -16,24 +17,28 @@ import sys
 import pytest
 import torch
 
+from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.plan import load_plan
 from hetplan.runtime.distributed.launch import run_pipeline
 from hetplan.runtime.distributed.ranks import Ranks
 from hetplan.runtime.distributed.worker import expected_rate
 from hetplan.runtime.session import RunOptions
-from hetplan.workload import Workload
-from tests.distributed.pipelines import reference, replicated_plan
+from tests.distributed.pipelines import NODE, reference, save_llama
 
 PROMPT_LEN, GEN_LEN, TOL = 8, 10, 1e-4
-GPU_MEM = "400KiB"
-"""Each GPU's budget: below the tiny llama's ~560 KB of fp32 weights, above half of them."""
 
 
 @pytest.fixture(scope="module")
-def two_by_two(llama_files, tmp_path_factory):
-    model_dir, node, model = llama_files
-    path = tmp_path_factory.mktemp("replicas") / "plan.json"
-    wl = Workload(1, PROMPT_LEN, GEN_LEN, objective="throughput", prefill_chunk=PROMPT_LEN)
-    plan = replicated_plan(model_dir, node, 2, wl, path, GPU_MEM)
+def two_by_two(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replicas")
+    model_dir, node, path = d / "llama", d / "node.yaml", d / "plan.json"
+    model = save_llama(model_dir, hidden=128, intermediate=256)
+    node.write_text(NODE.replace("64MiB", "2MiB"))
+    plan, _ = compile_plan(CompileRequest(model=str(model_dir), hw=str(node), objective="throughput", batch=1,
+                                          prompt_len=PROMPT_LEN, gen_len=GEN_LEN, prefill_chunk=PROMPT_LEN,
+                                          weight_dtype="fp32"))
+    path.write_text(plan.to_json())
+    plan = load_plan(path)
     pp = plan.pipeline
     assert pp["replicas"] == 2 and len(pp["stages"]) == 2 and pp["replica_step"] == {"gpus": 2}
     assert pp["micro_batches"] == 2
@@ -44,12 +49,13 @@ def test_every_replica_computes_what_transformers_computes_on_its_sequences(two_
     plan, _, model_dir, model = two_by_two
     r, m = 2, 2                          # replicas x micro-batches (one per stage) x batch 1
     ids = torch.randint(0, 128, (r * m, PROMPT_LEN), generator=torch.Generator().manual_seed(23))
+    refs = [reference(model, ids[i:i + 1], GEN_LEN) for i in range(r * m)]
     opts = RunOptions(weights=str(model_dir), prompt_ids=tuple(map(tuple, ids.tolist())), all_logits=True,
                       keep_logits=True, emulate=True)
     result = run_pipeline(plan, opts, timeout_s=60)
     assert result.micro_batches == m and len(result.tokens) == r * m and len(result.logits) == GEN_LEN
     for i in range(r * m):              # replica after replica, micro-batch after micro-batch
-        ref = reference(model, ids[i:i + 1], GEN_LEN)
+        ref = refs[i]
         assert result.tokens[i] == ref["tokens"][0], f"sequence {i}"
         prefill, steps = result.logits[0][i:i + 1], torch.stack([lg[i:i + 1] for lg in result.logits[1:]])
         assert (prefill - ref["prefill"]).abs().max() <= TOL * ref["prefill"].abs().max()
@@ -104,7 +110,7 @@ def test_a_world_size_other_than_replicas_times_stages_is_refused_naming_it(two_
 
 def test_hetplan_exec_reports_every_replica(two_by_two):
     _, path, model_dir, model = two_by_two
-    ids = torch.randint(0, 128, (4, PROMPT_LEN), generator=torch.Generator().manual_seed(31))
+    ids = torch.randint(0, 128, (4, PROMPT_LEN), generator=torch.Generator().manual_seed(37))
     out = subprocess.run([sys.executable, "-m", "hetplan", "exec", str(path), "--weights", str(model_dir),
                           "--emulate", "--prompt-ids", ";".join(",".join(map(str, r)) for r in ids.tolist())],
                          capture_output=True, text=True, timeout=300)
