@@ -22,7 +22,7 @@ def run(plan, opts, timeout_s: float, as_json: bool, progress, micro_batches: in
     from hetplan.runtime.distributed.launch import run_pipeline
 
     result = run_pipeline(plan, opts, timeout_s, progress, micro_batches)
-    if result is None:  # a torchrun process other than the last stage's: that one reports
+    if result is None:  # a torchrun process other than the last rank's: that one reports
         return
     if as_json:
         click.echo(json.dumps(result.to_json_dict(), sort_keys=True))

@@ -67,7 +67,7 @@ def under_torchrun(environ=None) -> bool:
 def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress=None, micro_batches: int | None = None) -> PipelineResult | None:
     """Run ``plan``'s pipeline with ``micro_batches`` groups of its batch (None: the plan's
-    default) -> its result (None in a torchrun process other than the last stage's)."""
+    default) -> its result (None in a torchrun process other than the last rank's)."""
     ranks = Ranks.of(plan.pipeline)
     world = ranks.world
     m = default_micro_batches(plan) if micro_batches is None else micro_batches
