@@ -29,13 +29,13 @@ plan's stage times give M micro-batches (``worker.expected_rate``) and the plan'
 "GPUs" are modelled as four one-thread devices; this machine has fewer cores than that, so the
 stages of a pipelined run share them and the pipelined rate is out of reach by construction.
 
-Replicas (``--replicas``): two throughput plans (``--objective throughput``) of the same model run
-as four processes each, one micro-batch per stage: a pipeline of four stages on the node above
-(four 128 MiB "GPUs": the model needs all four), and two replicas of a two-stage pipeline on the
-same node with 256 MiB "GPUs" (two hold the model: the planner's choice there, else
-``compile.replicated`` with two replicas, and the script says which). Each prints its decode rate
-(all sequences, the replicas' added), each replica's, and the plan's rates, medians over ``--reps``
-runs alternating between the two.
+Replicas (``--replicas``): three throughput plans (``--objective throughput``) of the same
+model, each run as four processes with one micro-batch per stage: one pipeline over the four
+128 MiB "GPUs" of the node above (``plan_pipeline``; the model needs all four), two replicas of a
+two-stage pipeline on the same node with 256 MiB "GPUs" (``compile.replicated`` with two
+replicas: two hold the model), and what ``compile_plan`` chooses on the 128 MiB node (the
+script says what). Each prints its decode rate (every sequence, the replicas' added), each
+replica's, and the plan's rates, medians over ``--reps`` runs taken in turn.
 """
 
 from __future__ import annotations
@@ -131,35 +131,39 @@ def main() -> None:
 
 
 def replicas_against_stages(work: Path, peaks: dict, args) -> None:
-    """Four stages against two replicas of two stages, four processes each (module docstring)."""
+    """One pipeline of four stages, two replicas of two stages, and compile's choice, four
+    processes each (module docstring)."""
     import dataclasses
 
     from hetplan.compiler import CompileRequest, compile_plan, stage_solver
     from hetplan.frontends.resolve import load_model
     from hetplan.hardware import load_node
     from hetplan.pipeline.compile import replicated
+    from hetplan.pipeline.plan import plan_pipeline
     from hetplan.pipeline.topology import Topology
     from hetplan.runtime.distributed.launch import run_pipeline
     from hetplan.runtime.session import RunOptions
+    from hetplan.workload import Workload
 
+    spec = load_model(str(work / "model"), "fp32")
     plans = {}
-    for name, mib in (("4 stages", 128), ("2 replicas x 2 stages", 256)):
+    for name, mib in (("1 x 4 stages", 128), ("2 replicas x 2 stages", 256), ("compile's choice", 128)):
         node = work / f"node-{mib}.yaml"
         node.write_text(node_yaml(peaks, mib))
         req = CompileRequest(model=str(work / "model"), hw=str(node), prompt_len=args.prompt, gen_len=args.gen,
                              weight_dtype="fp32", objective="throughput", batch=1)
-        plan, _ = compile_plan(req)
-        how = "compiled"
-        if mib == 256 and ((plan.pipeline or {}).get("replicas") != 2 or len(plan.pipeline["stages"]) != 2):
-            how = (f"compile chose {(plan.pipeline or {}).get('replicas') or 1} replica(s) of "
-                   f"{len((plan.pipeline or {'stages': [0]})['stages'])} stage(s); compile.replicated with 2")
-            spec, topo = load_model(str(work / "model"), "fp32"), Topology.of(load_node(str(node)))
-            pp = replicated(spec, topo, 2, plan.workload, stage_solver(req, moe_stages=True))
+        topo, solve = Topology.of(load_node(str(node))), stage_solver(req, moe_stages=True)
+        if name == "compile's choice":
+            plan, _ = compile_plan(req)
+        else:
+            wl = Workload(1, args.prompt, args.gen, objective="throughput")
+            pp = replicated(spec, topo, 2, wl, solve) if mib == 256 else plan_pipeline(spec, topo, wl, solve, "max")
             plan = dataclasses.replace(pp.stages[0].plan, pipeline=pp.to_dict())
         pp = plan.pipeline
-        print(f"{name} ({how}): stages " + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1}"
-                                                     for s in pp["stages"])
-              + f", {pp.get('replicas') or 1} replica(s), {pp['micro_batches']} micro-batches")
+        print(f"{name}: {pp.get('replicas') or 1} replica(s) of stages "
+              + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1} ({s['weights']['gpu']}/"
+                          f"{s['weights']['stream']}/{s['weights']['cpu']} blocks gpu/stream/cpu)" for s in pp["stages"])
+              + f", {pp['micro_batches']} micro-batch(es)")
         plans[name] = plan
     runs: dict = {}
     t0 = time.perf_counter()
