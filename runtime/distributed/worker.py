@@ -52,9 +52,10 @@ class PipelineResult:
     """ttft_s, tpot_s, decode_tokens_per_s and pipelined_decode_tokens_per_s from plan.json's
     ``pipeline.predicted``, and ``micro_batch_decode_tokens_per_s`` (``expected_rate``)."""
     stages: list
-    """Per stage: rank, gpu, layers, busy_prefill_s, busy_decode_s (per pass), busy_s and
-    idle_s (per phase, in all), predicted_ttft_s, predicted_tpot_s, peak_bytes, planned_bytes
-    (with every micro-batch's KV caches), mode."""
+    """Per process (replica after replica): replica, rank (the stage in its replica), gpu,
+    layers, busy_prefill_s, busy_decode_s (per pass), busy_s and idle_s (per phase, in all),
+    predicted_ttft_s, predicted_tpot_s, peak_bytes, planned_bytes (with every micro-batch's KV
+    caches), mode."""
     step_s: tuple = ()
     logits: list | None = field(default=None, repr=False)
     """Per kept step: fp32 logits of every sequence (micro-batch after micro-batch)."""
