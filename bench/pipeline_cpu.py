@@ -28,6 +28,14 @@ plan's stage times give M micro-batches (``worker.expected_rate``) and the plan'
 (``pipeline.predicted.pipelined_decode_tokens_per_s``: every stage busy). The plan's four
 "GPUs" are modelled as four one-thread devices; this machine has fewer cores than that, so the
 stages of a pipelined run share them and the pipelined rate is out of reach by construction.
+
+Replicas (``--replicas``): three throughput plans (``--objective throughput``) of the same
+model, each run as four processes with one micro-batch per stage: one pipeline over the four
+128 MiB "GPUs" of the node above (``plan_pipeline``; the model needs all four), two replicas of a
+two-stage pipeline on the same node with 256 MiB "GPUs" (``compile.replicated`` with two
+replicas: two hold the model), and what ``compile_plan`` chooses on the 128 MiB node (the
+script says what). Each prints its decode rate (every sequence, the replicas' added), each
+replica's, and the plan's rates, medians over ``--reps`` runs taken in turn.
 """
 
 from __future__ import annotations
@@ -66,9 +74,9 @@ def measure_peaks() -> dict:
     return {"flops": flops, "bw": bw}
 
 
-def node_yaml(peaks: dict) -> str:
+def node_yaml(peaks: dict, gpu_mib: int = 128) -> str:
     gflops, gbs = peaks["flops"] / 1e9, peaks["bw"] / 1e9
-    gpu = (f"  - {{name: this CPU (1 thread), memory: 128MiB, mem_bandwidth: {gbs:.2f}GB/s, "
+    gpu = (f"  - {{name: this CPU (1 thread), memory: {gpu_mib}MiB, mem_bandwidth: {gbs:.2f}GB/s, "
            f"flops: {{fp32: {gflops:.2f}GFLOPS}}}}\n")
     return (f"name: four-stage-processes\ngpus:\n{gpu * 4}"
             f"cpu: {{name: this CPU, cores: 1, memory: 8GiB, mem_bandwidth: {gbs:.2f}GB/s, "
@@ -86,6 +94,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--micro", default="1,4", help="Micro-batch counts to run, comma-separated.")
+    ap.add_argument("--replicas", action="store_true", help="Two replicas of two stages against four stages.")
     args = ap.parse_args()
     micro = [int(m) for m in args.micro.split(",")]
     from hetplan.compiler import CompileRequest, compile_plan
@@ -98,6 +107,9 @@ def main() -> None:
     peaks = measure_peaks()
     (work / "node.yaml").write_text(node_yaml(peaks))
     print(f"this CPU, one thread: {peaks['flops'] / 1e9:.1f} GFLOP/s fp32 GEMM, {peaks['bw'] / 1e9:.2f} GB/s read")
+    if args.replicas:
+        replicas_against_stages(work, peaks, args)
+        return
     plan, ct = compile_plan(CompileRequest(model=str(work / "model"), hw=str(work / "node.yaml"),
                                            prompt_len=args.prompt, gen_len=args.gen, weight_dtype="fp32"))
     if plan.pipeline is None or len(plan.pipeline["stages"]) != 4:
@@ -116,6 +128,61 @@ def main() -> None:
     if 1 in by_m:
         stage_table(by_m[1])
     micro_table(by_m)
+
+
+def replicas_against_stages(work: Path, peaks: dict, args) -> None:
+    """One pipeline of four stages, two replicas of two stages, and compile's choice, four
+    processes each (module docstring)."""
+    import dataclasses
+
+    from hetplan.compiler import CompileRequest, compile_plan, stage_solver
+    from hetplan.frontends.resolve import load_model
+    from hetplan.hardware import load_node
+    from hetplan.pipeline.compile import replicated
+    from hetplan.pipeline.plan import plan_pipeline
+    from hetplan.pipeline.topology import Topology
+    from hetplan.runtime.distributed.launch import run_pipeline
+    from hetplan.runtime.session import RunOptions
+    from hetplan.workload import Workload
+
+    spec = load_model(str(work / "model"), "fp32")
+    plans = {}
+    for name, mib in (("1 x 4 stages", 128), ("2 replicas x 2 stages", 256), ("compile's choice", 128)):
+        node = work / f"node-{mib}.yaml"
+        node.write_text(node_yaml(peaks, mib))
+        req = CompileRequest(model=str(work / "model"), hw=str(node), prompt_len=args.prompt, gen_len=args.gen,
+                             weight_dtype="fp32", objective="throughput", batch=1)
+        topo, solve = Topology.of(load_node(str(node))), stage_solver(req, moe_stages=True)
+        if name == "compile's choice":
+            plan, _ = compile_plan(req)
+        else:
+            wl = Workload(1, args.prompt, args.gen, objective="throughput")
+            pp = replicated(spec, topo, 2, wl, solve) if mib == 256 else plan_pipeline(spec, topo, wl, solve, "max")
+            plan = dataclasses.replace(pp.stages[0].plan, pipeline=pp.to_dict())
+        pp = plan.pipeline
+        print(f"{name}: {pp.get('replicas') or 1} replica(s) of stages "
+              + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1} ({s['weights']['gpu']}/"
+                          f"{s['weights']['stream']}/{s['weights']['cpu']} blocks gpu/stream/cpu)" for s in pp["stages"])
+              + f", {pp['micro_batches']} micro-batch(es)")
+        plans[name] = plan
+    runs: dict = {}
+    t0 = time.perf_counter()
+    for _ in range(args.reps):
+        for name, plan in plans.items():
+            runs.setdefault(name, []).append(run_pipeline(plan, RunOptions(weights="random", emulate=True),
+                                                          timeout_s=600))
+    print(f"ran each {args.reps} times (4 processes, gloo, emulated GPUs) in {time.perf_counter() - t0:.1f} s; "
+          f"prompt {args.prompt}, {args.gen} tokens, batch 1 per micro-batch; medians")
+    print("| plan | sequences | decode tok/s (all) | per replica | expected for its micro-batches | pipelined (plan) "
+          "| per run |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, rs in runs.items():
+        rate = statistics.median(r.measured["decode_tokens_per_s"] for r in rs)
+        each = [statistics.median(r.replicas[i]["decode_tokens_per_s"] for r in rs) for i in range(len(rs[0].replicas))]
+        p = rs[0].predicted
+        per_run = " ".join(f"{r.measured['decode_tokens_per_s']:.2f}" for r in rs)
+        print(f"| {name} | {len(rs[0].tokens)} | {rate:.2f} | {' / '.join(f'{e:.2f}' for e in each)} | "
+              f"{p['micro_batch_decode_tokens_per_s']:.2f} | {p['pipelined_decode_tokens_per_s']:.2f} | {per_run} |")
 
 
 def stage_table(runs: list) -> None:

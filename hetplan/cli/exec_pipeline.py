@@ -22,7 +22,7 @@ def run(plan, opts, timeout_s: float, as_json: bool, progress, micro_batches: in
     from hetplan.runtime.distributed.launch import run_pipeline
 
     result = run_pipeline(plan, opts, timeout_s, progress, micro_batches)
-    if result is None:  # a torchrun process other than the last stage's: that one reports
+    if result is None:  # a torchrun process other than the last rank's: that one reports
         return
     if as_json:
         click.echo(json.dumps(result.to_json_dict(), sort_keys=True))
@@ -33,8 +33,15 @@ def run(plan, opts, timeout_s: float, as_json: bool, progress, micro_batches: in
 def report(r) -> None:
     modes = sorted(set(r.modes))
     where = ", ".join({"cuda": "CUDA GPUs", "emulated": "emulated GPUs (CPU)", "cpu": "CPU only"}[m] for m in modes)
-    click.echo(f"ran a pipeline of {len(r.stages)} stages, one process each, on {where}; "
-               f"{r.micro_batches} micro-batch(es) of {len(r.tokens) // r.micro_batches} sequence(s)")
+    n_rep = max(1, len(r.replicas))
+    per_micro = len(r.tokens) // (r.micro_batches * n_rep)
+    if n_rep > 1:
+        click.echo(f"ran {n_rep} replicas of a pipeline of {len(r.stages) // n_rep} stages, {len(r.stages)} processes "
+                   f"(one per stage of each replica), on {where}; each replica {r.micro_batches} micro-batch(es) of "
+                   f"{per_micro} sequence(s), replica after replica below")
+    else:
+        click.echo(f"ran a pipeline of {len(r.stages)} stages, one process each, on {where}; "
+                   f"{r.micro_batches} micro-batch(es) of {per_micro} sequence(s)")
     for i, seq in enumerate(r.tokens):
         click.echo(f"sequence {i}: {' '.join(map(str, seq))}")
         if r.text:
@@ -44,18 +51,22 @@ def report(r) -> None:
     rate = lambda v: f"{v:.1f}" if v is not None else "-"   # noqa: E731
     secs = lambda v: format_seconds(v) if v is not None else "-"   # noqa: E731
     rows = [("TTFT (warm)", secs(m["ttft_s"]), secs(p["ttft_s"])),
-            ("TPOT (each micro-batch)", secs(m["tpot_s"]), secs(p["tpot_s"]) if r.micro_batches == 1 else ""),
-            ("decode tokens/s", rate(m["decode_tokens_per_s"]), rate(p["micro_batch_decode_tokens_per_s"])),
-            ("  pipelined (every stage busy)", "", rate(p["pipelined_decode_tokens_per_s"]))]
+            ("TPOT (each micro-batch)", secs(m["tpot_s"]), secs(p["tpot_s"]) if r.micro_batches == 1 else "")]
+    rows += [(f"replica {e['replica']} decode tokens/s", rate(e["decode_tokens_per_s"]),
+              rate(e["predicted_decode_tokens_per_s"])) for e in (r.replicas if n_rep > 1 else ())]
+    rows += [("decode tokens/s" + (" (all replicas)" if n_rep > 1 else ""), rate(m["decode_tokens_per_s"]),
+              rate(p["micro_batch_decode_tokens_per_s"])),
+             ("  pipelined (every stage busy)", "", rate(p["pipelined_decode_tokens_per_s"]))]
     for label, got, want in rows:
         click.echo(f"{label:34}{got:>13}{want:>13}")
-    click.echo(f"{'stage':8}{'GPU':>5}{'layers':>9}{'busy prefill':>14}{'predicted':>11}{'busy decode':>13}"
-               f"{'predicted':>11}{'busy':>11}{'idle':>11}{'peak GPU mem':>14}")
+    click.echo(("replica " if n_rep > 1 else "") + f"{'stage':8}{'GPU':>5}{'layers':>9}{'busy prefill':>14}"
+               f"{'predicted':>11}{'busy decode':>13}{'predicted':>11}{'busy':>11}{'idle':>11}{'peak GPU mem':>14}")
     for s in r.stages:
         a, b = s["layers"]
         busy = sum(s["busy_s"].values())
         idle = sum(s["idle_s"].values())
-        click.echo(f"{s['rank']:<8}{s['gpu'] if s['gpu'] is not None else '-':>5}{f'{a}-{b - 1}':>9}"
+        click.echo((f"{s.get('replica', 0):<8}" if n_rep > 1 else "") +
+                   f"{s['rank']:<8}{s['gpu'] if s['gpu'] is not None else '-':>5}{f'{a}-{b - 1}':>9}"
                    f"{secs(s['busy_prefill_s']):>14}{format_seconds(s['predicted_ttft_s']):>11}"
                    f"{secs(s['busy_decode_s']):>13}{format_seconds(s['predicted_tpot_s']):>11}"
                    f"{format_seconds(busy):>11}{format_seconds(idle):>11}"

@@ -14,6 +14,16 @@ from hetplan.plan import load_plan
 from hetplan.progress import quiet, step
 
 
+def refuse_pipeline(plan, plan_path: str) -> None:
+    """A plan over several devices is not served: its main part is its first stage alone."""
+    pp = plan.pipeline
+    if pp and (len(pp.get("stages", [])) > 1 or (pp.get("replicas") or 1) > 1):
+        what = f"{len(pp['stages'])} pipeline stage(s)" + (f" x {pp['replicas']} replicas" if pp.get("replicas") else "")
+        raise HetplanError(f"{plan_path}: the plan runs over several devices ({what}), and hetplan serve runs a "
+                           f"plan on one GPU only; compile it for serving with a node of one GPU (not a cluster "
+                           f"or a multi-GPU node), or run the pipeline with `hetplan exec {plan_path}`")
+
+
 def _int(help_text: str):
     return dict(default=None, type=click.IntRange(0, None), help=help_text)
 
@@ -38,6 +48,8 @@ def _int(help_text: str):
 def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, cpu_blocks, max_batch, max_waiting,
             max_context, prefill_chunk, cpu_attention, seed):
     """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics."""
+    plan = load_plan(plan_path)
+    refuse_pipeline(plan, plan_path)
     require_torch("serve")
     try:
         import uvicorn  # noqa: F401
@@ -48,7 +60,6 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
     from hetplan.runtime.serve.load import load_engine
     from hetplan.runtime.serve.settings import settings_for
 
-    plan = load_plan(plan_path)
     settings = settings_for(plan, block_tokens=block_tokens, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                             max_batch=max_batch, max_waiting=max_waiting, max_context=max_context,
                             prefill_chunk=prefill_chunk, cpu_attention=cpu_attention)

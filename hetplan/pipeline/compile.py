@@ -133,21 +133,34 @@ def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePl
     """The throughput objective: ``best`` (one pipeline over every device), or ``r`` replicas of
     a pipeline over ``devices / r`` alike devices each where they serve more sequences a second
     (``hetplan.pipeline.replicas``), at the same batch per replica."""
-    from hetplan.pipeline.replicas import first_group, replica_counts, replicas_fit_dram
+    from hetplan.pipeline.replicas import replica_counts
 
     for r in replica_counts(topo):
-        group = first_group(topo, r)
-        with progress.step(f"choosing pipeline stages for {r} replicas over {len(group.devices)} devices each"):
-            try:
-                pp = plan_pipeline(spec, group, best.workload, solve, "max")
-            except InfeasibleError:
-                continue  # fewer devices hold less: fewer replicas may still fit
-        if not replicas_fit_dram(topo, r, pp.stages):
-            continue
-        pp = dataclasses.replace(pp, replicas=r)
+        try:
+            pp = replicated(spec, topo, r, best.workload, solve)
+        except InfeasibleError:
+            continue  # fewer devices hold less: fewer replicas may still fit
         if pp.seconds_per_sequence() < best.seconds_per_sequence():
             best = pp
     return best
+
+
+def replicated(spec, topo: Topology, r: int, wl, solve) -> PipelinePlan:
+    """``r`` replicas of the best throughput pipeline over the first of ``r`` alike groups of
+    ``topo``'s devices (``hetplan.pipeline.replicas``); InfeasibleError when the devices do not
+    cut into ``r`` alike groups, a group holds no pipeline, or the replicas' DRAM does not fit."""
+    from hetplan.pipeline.replicas import first_group, replica_step, replicas_fit_dram
+
+    group = first_group(topo, r)
+    if group is None:
+        raise InfeasibleError(f"the devices of {topo.name!r} do not cut into {r} alike groups; choose a replica "
+                              f"count that does")
+    with progress.step(f"choosing pipeline stages for {r} replicas over {len(group.devices)} devices each"):
+        pp = plan_pipeline(spec, group, wl, solve, "max")
+    if not replicas_fit_dram(topo, r, pp.stages):
+        raise InfeasibleError(f"{spec.name}: {r} replicas of the pipeline do not fit in the DRAM of "
+                              f"{topo.name!r} together")
+    return dataclasses.replace(pp, replicas=r, replica_step=replica_step(topo, r))
 
 
 LLAMA_CPP = "llama.cpp --split-mode layer"

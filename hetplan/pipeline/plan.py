@@ -50,6 +50,13 @@ class PipelinePlan:
     replicas: int = 1
     """Alike groups of devices each running these stages on sequences of their own
     (``hetplan.pipeline.replicas``); ``stages`` are the first group's."""
+    micro_batches: int = 1
+    """Micro-batches in flight, each with a KV cache of its own in every stage, for which the
+    stages' KV caches are sized (``micro_batch_count``): 1 for the latency objectives (``sum``),
+    one per stage for throughput (``max``)."""
+    replica_step: dict | None = None
+    """Where replica ``r`` runs (with ``replicas > 1``): ``{"gpus": q}``, its stages on GPU
+    ``gpu + r q`` of the same node, or ``{"nodes": q}``, on node ``node + r q``, the same GPU."""
 
     def phase_s(self, phase: str) -> float:
         """One pass of ``phase`` through every stage and link in turn."""
@@ -93,8 +100,10 @@ class PipelinePlan:
              "predicted": self.predicted()}
         if topo is not None:
             d["devices"] = len(topo.devices) * self.replicas
+        d["micro_batches"] = self.micro_batches
         if self.replicas > 1:
             d["replicas"] = self.replicas
+            d["replica_step"] = dict(self.replica_step)
         if topo is not None and topo.network is not None:
             d["network"] = {"name": topo.name, "bytes_per_s": topo.network.bytes_per_s,
                             "latency_s": topo.network.latency_s}
@@ -139,13 +148,28 @@ def _tiers(plan) -> dict:
     return out
 
 
+def micro_batch_count(objective: str, n_stages: int) -> int:
+    """Micro-batches a pipeline keeps in flight: one per stage under the throughput objective
+    (``max``: every stage busy), 1 under the latency ones (``sum``: the stages take turns)."""
+    return n_stages if objective == "max" else 1
+
+
 def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str = "sum") -> PipelinePlan:
     """The best pipeline of ``spec`` over the devices of ``hw`` (a HardwareSpec: its GPUs; or a
     ``Topology``: every node's GPUs, or its CPU where it has none). ``solve_stage(problem)`` is
     the single-device planner: a Plan, or None when nothing fits. Stages are priced once per
     distinct (kind of device, layer count, holds embed, holds head, dense layers) and cached, and
     only where their cheap lower bound (``StageBound``) cannot rule them out; a stage's seconds
-    are what the workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``)."""
+    are what the workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``).
+
+    KV caches: each stage holds one per micro-batch in flight (``micro_batch_count``). Under
+    ``max`` that is the number of stages, which the split decides; the split is searched with
+    every stage holding one cache per device (the most stages there can be), and when it uses
+    ``S`` stages of ``D`` devices, its stages are planned again holding ``S`` caches (less
+    memory: each still fits, and is at least as fast); a single device alone, priced with its
+    one cache, is taken when it is as fast. A split of 2 to ``D - 1`` stages is so priced with
+    more caches than it will hold, so the search may miss one that only fits, or is only
+    faster, with its own count (never on two devices); the plan it returns is sized consistently."""
     from hetplan.solvers.pipeline import best_split
 
     topo = Topology.of(hw)
@@ -157,14 +181,16 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     kind = [machines.index(m) for m in machines]  # equal devices share prices
     plans: dict = {}
     bounds: dict = {}
+    copies = micro_batch_count(objective, len(devices))
 
     def key(k, a, b):
         return kind[k], b - a, a == 0, b == L, min(b - a, max(0, spec.first_dense_layers - a))
 
-    def stage_plan(k, a, b):
-        if key(k, a, b) not in plans:
-            plans[key(k, a, b)] = solve_stage(device_problem(spec, machines[k], wl, a, b))
-        return plans[key(k, a, b)]
+    def stage_plan(k, a, b, n_kv=None):
+        n_kv = copies if n_kv is None else n_kv
+        if (key(k, a, b), n_kv) not in plans:
+            plans[key(k, a, b), n_kv] = solve_stage(device_problem(spec, machines[k], wl, a, b, n_kv))
+        return plans[key(k, a, b), n_kv]
 
     def seconds(pred_ttft: float, pred_tpot: float) -> float:
         """What ``wl.objective`` minimises of a stage or a link (the throughput objective: its
@@ -173,8 +199,8 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
             return pred_tpot
         return {"ttft": pred_ttft, "tpot": pred_tpot}.get(wl.objective, pred_ttft + wl.gen_len * pred_tpot)
 
-    def stage(k, a, b):
-        p = stage_plan(k, a, b)
+    def stage(k, a, b, n_kv=None):
+        p = stage_plan(k, a, b, n_kv)
         return math.inf if p is None else seconds(p.predicted["ttft_s"], p.predicted["tpot_s"])
 
     def lower(k, a, b):
@@ -190,11 +216,30 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     if split is None:
         raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(devices)} devices of "
                               f"{topo.name!r} fits (each stage's GPU, with its host's DRAM)")
-    stages = tuple(StagePlan(devices[k][1], a, b, stage_plan(k, a, b), devices[k][0]) for k, a, b in split.stages)
-    check_dram(spec, topo, stages)
-    alone = [c for c in (_alone(k, stage, lower, L, split.cost_s) for k in sorted(set(kind))) if c]
-    return PipelinePlan(stages, _links(topo, spec, wl, stages), wl, objective, topo, min(alone) if alone else None,
-                        spec)
+    alone = {k: c for k in sorted(set(kind)) if (c := _alone(k, lambda *s: stage(*s, 1), lower, L, split.cost_s))}
+    pp = _sized(spec, topo, wl, objective, split.stages, stage_plan, min(alone.values()) if alone else None)
+    if objective == "max" and len(pp.stages) > 1:   # one device alone holds one KV cache, not one per device
+        k, (best_s, exact) = min(alone.items(), key=lambda kc: kc[1], default=(None, (math.inf, False)))
+        if exact and best_s <= pp.objective_s() * (1 + 1e-12):
+            pp = _sized(spec, topo, wl, objective, ((k, 0, L),), stage_plan, alone[k])
+    check_dram(spec, topo, pp.stages)
+    return pp
+
+
+def _sized(spec, topo, wl, objective, split, stage_plan, alone) -> PipelinePlan:
+    """The pipeline of ``split`` ((device, first, end) per stage), each stage holding one KV
+    cache per micro-batch it keeps in flight (``micro_batch_count``)."""
+    m = micro_batch_count(objective, len(split))
+    devices = topo.devices
+    stages = []
+    for k, a, b in split:
+        p = stage_plan(k, a, b, m)
+        if p is None:
+            raise InfeasibleError(f"{spec.name}: layers {a}-{b - 1} on {topo.device_name(devices[k])} do not fit "
+                                  f"with {m} KV cache(s), one per micro-batch in flight")
+        stages.append(StagePlan(devices[k][1], a, b, p, devices[k][0]))
+    return PipelinePlan(tuple(stages), _links(topo, spec, wl, stages), wl, objective, topo, alone, spec,
+                        micro_batches=m)
 
 
 def fixed_pipeline(spec: ModelSpec, hw, wl: Workload, split: tuple, solve_stage, objective: str = "sum"):
@@ -202,13 +247,15 @@ def fixed_pipeline(spec: ModelSpec, hw, wl: Workload, split: tuple, solve_stage,
     ``solve_stage``; None when a stage does not fit."""
     topo = Topology.of(hw)
     devices = topo.devices
+    m = micro_batch_count(objective, len(split))
     stages = []
     for k, a, b in split:
-        p = solve_stage(device_problem(spec, topo.device_hw(devices[k]), wl, a, b))
+        p = solve_stage(device_problem(spec, topo.device_hw(devices[k]), wl, a, b, m))
         if p is None:
             return None
         stages.append(StagePlan(devices[k][1], a, b, p, devices[k][0]))
-    return PipelinePlan(tuple(stages), _links(topo, spec, wl, stages), wl, objective, topo, model=spec)
+    return PipelinePlan(tuple(stages), _links(topo, spec, wl, stages), wl, objective, topo, model=spec,
+                        micro_batches=m)
 
 
 def llama_cpp_split(spec: ModelSpec, hw) -> tuple:

@@ -45,6 +45,14 @@ def first_group(topo: Topology, r: int) -> Topology | None:
     return Topology(topo.name, (groups[0],))
 
 
+def replica_step(topo: Topology, r: int) -> dict:
+    """How far apart the ``r`` groups' devices are: ``{"nodes": q}`` on a cluster (group ``i``
+    is nodes ``[i q, (i+1) q)``), else ``{"gpus": q}`` (GPUs ``[i q, (i+1) q)`` of the node)."""
+    if len(topo.nodes) > 1:
+        return {"nodes": len(topo.nodes) // r}
+    return {"gpus": len(topo.nodes[0].gpus) // r}
+
+
 def _alike(hw):
     """What must match between groups: the node with its GPUs' NUMA nodes left out (each group
     sits on its own socket alike)."""

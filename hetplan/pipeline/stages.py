@@ -41,18 +41,31 @@ def without_ends(problem: Problem, keep: set) -> Problem:
                                stages=stages, load_s=load_s)
 
 
-def stage_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, k: int, first: int, end: int) -> Problem:
+def with_kv_copies(problem: Problem, copies: int) -> Problem:
+    """``problem`` holding ``copies`` KV caches per attention block, one per micro-batch in flight:
+    each block's ``kv_bytes`` (``batch x context x kv_bytes_per_token``) times ``copies``. Only
+    memory grows: a pass reads and writes one micro-batch's cache, so no time changes."""
+    if copies == 1:
+        return problem
+    blocks = tuple(dataclasses.replace(b, kv_bytes=b.kv_bytes * copies) if b.kv_bytes else b for b in problem.blocks)
+    return dataclasses.replace(problem, graph=dataclasses.replace(problem.graph, blocks=blocks))
+
+
+def stage_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, k: int, first: int, end: int,
+                  kv_copies: int = 1) -> Problem:
     """Layers ``[first, end)`` on GPU ``k`` alone (with the embedding when ``first == 0``, the
-    head when ``end == n_layers``)."""
-    return device_problem(spec, hw.single_gpu(k), wl, first, end)
+    head when ``end == n_layers``), with ``kv_copies`` KV caches (``with_kv_copies``)."""
+    return device_problem(spec, hw.single_gpu(k), wl, first, end, kv_copies)
 
 
-def device_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, first: int, end: int) -> Problem:
-    """Layers ``[first, end)`` on the single-device machine ``hw`` (one GPU, or none)."""
+def device_problem(spec: ModelSpec, hw: HardwareSpec, wl: Workload, first: int, end: int,
+                   kv_copies: int = 1) -> Problem:
+    """Layers ``[first, end)`` on the single-device machine ``hw`` (one GPU, or none), holding
+    ``kv_copies`` KV caches: one per micro-batch in flight (``with_kv_copies``)."""
     keep = {"embed"} if first == 0 else set()
     if end == spec.n_layers:
         keep.add("head")
-    return without_ends(build_problem(slice_model(spec, first, end), hw, wl), keep)
+    return with_kv_copies(without_ends(build_problem(slice_model(spec, first, end), hw, wl), keep), kv_copies)
 
 
 def hidden_bytes(spec: ModelSpec, wl: Workload, phase: str) -> float:

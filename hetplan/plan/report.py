@@ -222,7 +222,7 @@ def pipeline_section(plan: Plan) -> str:
     n = len(pp["stages"])
     head = (f"{r} replicas, each a pipeline over {n} device{'s' if n > 1 else ''} ({pp.get('devices', r * n)} "
             f"devices in all; the stages below are the first replica's, each replica runs sequences of its own "
-            f"and the rates are all of them together; hetplan exec runs one replica)"
+            f"and the rates are all of them together; hetplan exec runs every replica)"
             if r > 1 else f"pipeline over {n}{of}")
     lines = [head + (
         f" ({net['name']}: network {net['bytes_per_s'] / 1e9:.3g} GB/s, {net['latency_s'] * 1e6:.0f} us)"

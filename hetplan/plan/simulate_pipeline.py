@@ -13,6 +13,11 @@ its legs). This module checks, from those records alone:
   latency_s)``, for the hidden state a stage hands the next, restated here: ``tokens x hidden x
   a`` bytes (``tokens`` = batch x prompt_len for a prefill, batch for a decode step; ``a`` = 4
   for fp32 weights, else 2);
+- every stage's KV caches are sized for the micro-batches in flight (``pipeline.micro_batches``,
+  1 where absent; under the throughput objective ``max`` one per stage, else 1): each attention
+  block's ``kv_bytes`` is ``micro_batches x batch x context x kv_bytes_per_token`` (``2 x
+  kv_heads x head_dim x`` the KV dtype's bytes for a plain cache), so a run at the plan's own
+  micro-batch count is not refused for memory;
 - ``pipeline.predicted``: one sequence crosses every stage and link in turn, so ``ttft`` and
   ``tpot`` are their sums, ``latency = ttft + gen_len x tpot``, the rates ``replicas x batch``
   (``x prompt_len``) over them; micro-batches filling the stages leave the chain of serial
@@ -55,12 +60,14 @@ def check_pipeline(plan, rel_tol: float = 1e-6) -> PipelineReplay:
     if len(pp["links"]) != len(pp["stages"]) - 1:
         raise PlanInvalid(f"pipeline: {len(pp['stages'])} stages need {len(pp['stages']) - 1} links, the plan "
                           f"records {len(pp['links'])}")
+    _check_micro_batches(pp)
     sims = []
     for i, rec in enumerate(pp["stages"]):
         try:
             sim = check_plan(stage_plan(plan, i), rel_tol)
         except PlanInvalid as e:
             raise PlanInvalid(f"pipeline.stages[{i}].plan: {e}") from None
+        _check_kv(rec["plan"]["placement"], i, model, plan.workload, pp.get("micro_batches") or 1, rel_tol)
         for phase in PHASES:
             _same(rec[KEY[phase]], sim.makespan_s[phase], f"pipeline.stages[{i}].{KEY[phase]}",
                   f"replaying stage {i}'s {phase} schedule takes", rel_tol)
@@ -119,6 +126,27 @@ def _link_s(link: dict, j: int, model, wl, rel_tol: float) -> dict:
         _same(link[f"{ph}_s"], out[ph], f"pipeline.links[{j}].{ph}_s",
               f"{nbytes:.0f} bytes over its legs ({', '.join(leg['via'] for leg in legs)}) take", rel_tol)
     return out
+
+
+def _check_micro_batches(pp: dict) -> None:
+    m = pp.get("micro_batches")
+    if m is None:
+        return
+    want = len(pp["stages"]) if pp["objective"] == "max" else 1
+    if m != want:
+        how = "one per stage" if pp["objective"] == "max" else "1, the stages taking turns"
+        raise PlanInvalid(f"pipeline.micro_batches = {m}, but a pipeline with objective {pp['objective']!r} over "
+                          f"{len(pp['stages'])} stage(s) keeps {want} in flight ({how}); recompile the plan")
+
+
+def _check_kv(placement: list, i: int, model, wl, micro_batches: int, rel_tol: float) -> None:
+    """Each KV cache of stage ``i`` holds every micro-batch's (module docstring)."""
+    want = micro_batches * wl.batch * wl.context_len * model.kv_bytes_per_token()
+    for p in placement:
+        if p["kv"] is not None:
+            _same(p["kv_bytes"], want, f"pipeline.stages[{i}].plan: block {p['block']}'s kv_bytes",
+                  f"{micro_batches} micro-batch(es) x batch {wl.batch} x {wl.context_len} tokens x "
+                  f"{model.kv_bytes_per_token():g} bytes per token and layer take", rel_tol)
 
 
 def _check_layers(stages: list, n_layers: int) -> None:

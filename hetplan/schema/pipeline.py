@@ -126,6 +126,17 @@ class SplitBaseline(Strict):
     prefill_tokens_per_s: TokenRate | None = Field(None, description="batch x prompt_len / ttft")
 
 
+class ReplicaStep(Strict):
+    gpus: count(1023, 1) | None = Field(None, description="replica r's stages on GPU gpu + r x this of the same node")
+    nodes: count(1023, 1) | None = Field(None, description="replica r's stages on node node + r x this, the same GPU")
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.gpus is None) == (self.nodes is None):
+            raise ValueError("give exactly one of gpus and nodes")
+        return self
+
+
 class Pipeline(Strict):
     objective: Literal["sum", "max"] = Field(description="sum (stages in turn) or max (the slowest)")
     stages: Annotated[list[PipelineStage], Field(min_length=1, max_length=1024)] = Field(
@@ -138,6 +149,11 @@ class Pipeline(Strict):
     replicas: count(1 << 20, 1) | None = Field(None, description="alike groups of devices, each running these "
                                                "stages (the first group's) on sequences of its own; the "
                                                "predicted rates are all of them together (absent: 1)")
+    micro_batches: count(1 << 20, 1) | None = Field(
+        None, description="micro-batches in flight, each with a KV cache of its own in every stage: the stages' "
+        "KV caches (placement kv_bytes) are sized for this many, and `hetplan exec` runs this many by default "
+        "(the throughput objective: one per stage; latency: 1; absent: written before, 1 cache)")
+    replica_step: ReplicaStep | None = Field(None, description="where replica r runs, with replicas > 1")
     network: PipelineNetwork | None = Field(None, description="between the nodes of a cluster")
     single_device: SingleDevice | None = Field(None, description="the whole model on the best single device")
     baselines: dict[Annotated[str, Field(max_length=100)], SplitBaseline] | None = Field(

@@ -352,8 +352,8 @@ class Inputs(Strict):
 
 # after the pieces a stage's own plan is made of (pipeline.stages[].plan)
 from hetplan.schema.pipeline import (LinkLeg, Pipeline, PipelineLink, PipelineNetwork,  # noqa: E402
-                                     PipelinePredicted, PipelineStage, SingleDevice, SplitBaseline, StagePlan,
-                                     StageTiers)
+                                     PipelinePredicted, PipelineStage, ReplicaStep, SingleDevice, SplitBaseline,
+                                     StagePlan, StageTiers)
 
 
 class PlanFile(Strict):
@@ -405,6 +405,7 @@ SECTIONS = (("", PlanFile), ("model", Model), ("model.rope_scaling", RopeScaling
             ("pipeline.stages[].plan", StagePlan),
             ("pipeline.links[]", PipelineLink), ("pipeline.links[].legs[]", LinkLeg),
             ("pipeline.predicted", PipelinePredicted),
+            ("pipeline.replica_step", ReplicaStep),
             ("pipeline.network", PipelineNetwork), ("pipeline.single_device", SingleDevice),
             ("pipeline.baselines.*", SplitBaseline),
             ("serving", Serving), ("serving.slo", ServingSlo), ("serving.curve[]", ServingPoint),

@@ -19,6 +19,9 @@ phase, and *idle* is the window less the busy seconds: waiting for messages. On 
 TTFT (micro-batch 0's first token), the prefill of every micro-batch, and the decode steps
 (step ``j`` ends when every micro-batch's token ``j`` is out).
 
+With replicas, ``rank`` and ``world`` are this stage's place in its own replica's chain; the
+replicas' first stages exchange a heartbeat at each decode step (``Peers.beat``).
+
 Knows nothing about plans or how the stage was placed.
 """
 
@@ -83,6 +86,8 @@ class Flow:
         for k, p in enumerate(order):
             if progress and self.last and p.phase == "decode" and p.micro == 0:
                 progress("decode", (k - m) // m + 1, len(order) // m)
+            if self.first and self.peers and p.phase == "decode" and p.micro == 0:
+                self.peers.beat()     # the other replicas', where there are any (``peers``)
             if self.first and p.phase == "prefill":
                 inputs = {"ids": groups[p.micro]}
             elif self.first and self.world == 1:

@@ -1,25 +1,31 @@
 """Start a pipeline run: one process per stage, here (spawned) or under torchrun (this process
 is one of them), and what each says when it cannot go on.
 
+A plan with ``R`` replicas (``pipeline.replicas``) of a pipeline of ``S`` stages runs as ``R x S``
+processes, replica ``r``'s stage ``s`` being rank ``r x S + s`` (``ranks.Ranks``); ``R = 1``
+without replicas.
+
 - Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set): this
-  process runs stage ``RANK``; ``WORLD_SIZE`` must be the plan's number of stages (one process
-  per stage over every node: ``--nnodes N --nproc-per-node`` adding up to it). Rendezvous
+  process is rank ``RANK``; ``WORLD_SIZE`` must be ``R x S`` (one process per stage of every
+  replica over every node: ``--nnodes N --nproc-per-node`` adding up to it). Rendezvous
   ``env://``.
-- Otherwise, with several stages: ``torch.multiprocessing`` spawns one process per stage with a
-  rendezvous at ``tcp://127.0.0.1:PORT`` (a free port) and watches them. The last stage hands
-  its result back through a queue. When one process fails, the others stop on their own (their
-  messages to it fail at once when its connections close, or after ``timeout_s``); any still
-  running ``GRACE_S`` seconds later are ended.
-- One stage: it runs in this process, without a process group.
+- Otherwise, with several processes: ``torch.multiprocessing`` spawns them with a rendezvous at
+  ``tcp://127.0.0.1:PORT`` (a free port) and watches them, once every stage is known to fit
+  this machine at the micro-batches asked for. The last rank hands the result back through a
+  queue. When one process fails, the others stop on their own (their messages to it fail at
+  once when its connections close, or after ``timeout_s``; the other replicas' at their next
+  heartbeat, ``peers``); any still running ``GRACE_S`` seconds later are ended.
+- One process: it runs in this process, without a process group.
 
 Every process first checks that this machine can hold its stage (``node.check_node``: a GPU
-as large as the plan's, enough host memory; a GPU of another name is a warning line), then places
-its stage, then the stages tell each other whether they are ready (``all_gather_object``), so a
-stage that cannot start (a GPU this machine lacks or too small, not enough memory) stops every
-process at once, each with one line naming the stage. ``micro_batches`` groups of the plan's
-batch flow through the stages (``flow``; default ``worker.default_micro_batches``). The
-rendezvous and every message wait at most ``timeout_s`` (``--dist-timeout``). Intra-op threads are shared out:
-``cores // stages`` per spawned process.
+as large as the plan's, enough host memory, room for the micro-batches' KV caches; a GPU of
+another name is a warning line), then places its stage, then the processes tell each other
+whether they are ready (``all_gather_object``), so a stage that cannot start (a GPU this machine
+lacks or too small, not enough memory) stops every process at once, each with one line naming
+its stage. ``micro_batches`` groups of the plan's batch flow through each replica's stages
+(``flow``; default ``worker.default_micro_batches``). The rendezvous and every message wait at
+most ``timeout_s`` (``--dist-timeout``). Intra-op threads are shared out: ``cores // processes``
+per spawned process.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.pipeline.record import stage_plan
 from hetplan.plan import Plan
-from hetplan.runtime.distributed.node import check_node
+from hetplan.runtime.distributed.node import check_micro_batches, check_node
 from hetplan.runtime.distributed.peers import Peers, join, leave
-from hetplan.runtime.distributed.worker import PipelineResult, PreparedStage, default_micro_batches, stage_device
+from hetplan.runtime.distributed.ranks import Ranks
+from hetplan.runtime.distributed.worker import (PipelineResult, PreparedStage, default_micro_batches,
+                                                planned_micro_batches, stage_device)
 from hetplan.runtime.session import RunOptions, choose_mode
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -59,33 +67,40 @@ def under_torchrun(environ=None) -> bool:
 def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress=None, micro_batches: int | None = None) -> PipelineResult | None:
     """Run ``plan``'s pipeline with ``micro_batches`` groups of its batch (None: the plan's
-    default) -> its result (None in a torchrun process other than the last stage's)."""
-    world = len(plan.pipeline["stages"])
+    default) -> its result (None in a torchrun process other than the last rank's)."""
+    ranks = Ranks.of(plan.pipeline)
+    world = ranks.world
     m = default_micro_batches(plan) if micro_batches is None else micro_batches
     if not 1 <= m <= MAX_MICRO_BATCHES:
         raise HetplanError(f"--micro-batches {m}: must be 1 to {MAX_MICRO_BATCHES}")
     if under_torchrun():
         rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
         if size != world or not 0 <= rank < world:
-            raise HetplanError(f"WORLD_SIZE {size}, RANK {rank}: the plan's pipeline has {world} stage(s), one "
-                               f"process each; start {world} processes in all (torchrun --nnodes and "
-                               f"--nproc-per-node adding up to {world})")
+            of = (f"{ranks.replicas} replicas x {ranks.stages} stage(s) = {world} processes"
+                  if ranks.replicas > 1 else f"{world} stage(s), one process each")
+            raise HetplanError(f"WORLD_SIZE {size}, RANK {rank}: the plan's pipeline runs {of}; start {world} "
+                               f"processes in all (torchrun --nnodes and --nproc-per-node adding up to {world})")
         return run_rank(plan, rank, "env://", opts, timeout_s, progress, m)
     if world == 1:
-        mode, gpu = _checked_device(plan, 0, opts)
+        mode, gpu = _checked_device(plan, 0, opts, m)
         if mode == "cuda":
             torch.cuda.set_device(gpu)
         return PreparedStage(plan, 0, opts, mode, m).run(None, progress)
-    for rank in range(world):  # this machine runs every stage: refuse one it cannot before starting any
-        stage_device(plan, rank, opts.emulate)
+    for rank in range(world):  # this machine runs every process: refuse one it cannot before starting any
+        mode, _ = stage_device(plan, rank, opts.emulate)
+        s = ranks.split(rank)[1]
+        check_micro_batches(stage_plan(plan, s), ranks.name(rank), mode, m, planned_micro_batches(plan))
     return _spawn(plan, opts, timeout_s, progress, m)
 
 
-def _checked_device(plan: Plan, rank: int, opts: RunOptions) -> tuple[str, int]:
-    """(mode, GPU) of stage ``rank`` here, once this machine is known to hold it; says each
-    warning on its own line."""
+def _checked_device(plan: Plan, rank: int, opts: RunOptions, micro_batches: int) -> tuple[str, int]:
+    """(mode, GPU) of process ``rank`` here, once this machine is known to hold its stage with
+    ``micro_batches``; says each warning on its own line."""
+    ranks = Ranks.of(plan.pipeline)
     mode, gpu = stage_device(plan, rank, opts.emulate)
-    for line in check_node(stage_plan(plan, rank), rank, mode, gpu):
+    s = ranks.split(rank)[1]
+    for line in check_node(stage_plan(plan, s), s, mode, gpu, micro_batches, planned_micro_batches(plan),
+                           ranks.name(rank)):
         _say(line, "warning")
     return mode, gpu
 
@@ -100,29 +115,31 @@ def _env_int(name: str) -> int:
 
 def message_backend(plan: Plan, emulate: bool | None) -> str:
     """``nccl`` when every stage runs on a CUDA GPU here, else ``gloo``."""
-    modes = {choose_mode(stage_plan(plan, r), emulate) for r in range(len(plan.pipeline["stages"]))}
+    modes = {choose_mode(stage_plan(plan, s), emulate) for s in range(len(plan.pipeline["stages"]))}
     return "nccl" if modes == {"cuda"} else "gloo"
 
 
 def run_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float,
              progress=None, micro_batches: int = 1) -> PipelineResult | None:
-    """Be stage ``rank``: check this machine, rendezvous, place the stage, agree that every
-    stage is ready, run."""
+    """Be process ``rank`` (a replica's stage): check this machine, rendezvous, place the stage,
+    agree that every process is ready, run."""
+    name = Ranks.of(plan.pipeline).name(rank)
     try:
         return _be_rank(plan, rank, init_method, opts, timeout_s, progress, micro_batches)
     except HetplanError as e:  # every line a stage process says names the stage
-        if str(e).startswith(f"stage {rank}:"):
+        if str(e).startswith(f"{name}:"):
             raise
-        raise HetplanError(f"stage {rank}: {e}") from None
+        raise HetplanError(f"{name}: {e}") from None
 
 
 def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, progress,
              micro_batches: int):
-    world, name = len(plan.pipeline["stages"]), f"stage {rank}"
+    ranks = Ranks.of(plan.pipeline)
+    world, name = ranks.world, ranks.name(rank)
     backend = message_backend(plan, opts.emulate)
     prepared, problem, mode = None, None, None
     try:   # said to the others once the rendezvous is done, so that every process stops at once
-        mode, gpu = _checked_device(plan, rank, opts)
+        mode, gpu = _checked_device(plan, rank, opts, micro_batches)
         if mode == "cuda":
             torch.cuda.set_device(gpu)   # before the rendezvous: NCCL's communicators use it
     except HetplanError as e:
@@ -135,15 +152,15 @@ def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_
             except HetplanError as e:
                 problem = str(e)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        peers = Peers(rank, world, device, name, timeout_s)
+        peers = Peers(ranks, rank, device, timeout_s)
         ready = peers.all_gather(problem)
         if problem is not None:
             raise HetplanError(problem)
-        others = [(r, p) for r, p in enumerate(ready) if p is not None]
+        others = [(ranks.name(r), p) for r, p in enumerate(ready) if p is not None]
         if others:
             prepared.close()
-            r, p = others[0]
-            raise HetplanError(f"{name}: not started: stage {r} cannot run ({p.removeprefix(f'stage {r}: ')})")
+            them, p = others[0]
+            raise HetplanError(f"{name}: not started: {them} cannot run ({p.removeprefix(f'{them}: ')})")
         return prepared.run(peers, progress)
     finally:
         leave()
@@ -158,18 +175,19 @@ def _free_port() -> int:
 def _spawn(plan: Plan, opts: RunOptions, timeout_s: float, progress, micro_batches: int) -> PipelineResult:
     import torch.multiprocessing as mp
 
-    world = len(plan.pipeline["stages"])
+    ranks = Ranks.of(plan.pipeline)
+    world = ranks.world
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
     threads = max(1, (os.cpu_count() or 1) // world)
-    procs = [ctx.Process(target=_child, name=f"hetplan-stage-{r}", daemon=False,
-                         args=(plan, r, init, opts, timeout_s, progress if r == world - 1 else None, threads,
+    procs = [ctx.Process(target=_child, name=f"hetplan-{ranks.name(r).replace(' ', '-')}", daemon=False,
+                         args=(plan, r, init, opts, timeout_s, progress if r == ranks.reporter else None, threads,
                                results, micro_batches))
              for r in range(world)]
     for p in procs:
         p.start()
-    return _watch(procs, results)
+    return _watch(procs, results, ranks)
 
 
 def _child(plan, rank, init, opts, timeout_s, progress, threads, results, micro_batches) -> None:
@@ -189,7 +207,7 @@ def _child(plan, rank, init, opts, timeout_s, progress, threads, results, micro_
     except Exception as e:  # noqa: BLE001 - a bug: one line, and how to get the traceback
         if os.environ.get("HETPLAN_TRACEBACK"):
             raise
-        _say(f"stage {rank}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 "
+        _say(f"{Ranks.of(plan.pipeline).name(rank)}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 "
              f"prints the traceback)")
         sys.exit(3)
 
@@ -208,9 +226,9 @@ def _say(text: str, kind: str = "error") -> None:
     os.write(fd, line.encode(errors="replace"))
 
 
-def _watch(procs, results) -> PipelineResult:
-    """Wait for every stage process; the last stage's result, or a HetplanError saying which one
-    failed first (each failed process has said why on its own line)."""
+def _watch(procs, results, ranks: Ranks) -> PipelineResult:
+    """Wait for every process; the last rank's result, or a HetplanError saying which one failed
+    first (each failed process has said why on its own line)."""
     result, failed, deadline = None, [], None
     try:
         while True:
@@ -238,7 +256,7 @@ def _watch(procs, results) -> PipelineResult:
     for p in procs:
         p.join()
     if failed:
-        how = [f"stage {r} " + (f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with status {c}")
+        how = [f"{ranks.name(r)} " + (f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with status {c}")
                for r, c in failed]
         raise HetplanError(f"the pipeline run stopped: {', then '.join(how)}")
     if result is None:

@@ -8,6 +8,13 @@ waits for the send only when it needs the buffer again, or at the end) and recei
 every failure of torch.distributed (a peer whose connection closed, a timeout) becomes
 a one-line ``HetplanError`` that names this stage, the peer and what was being exchanged.
 
+With replicas (``ranks.Ranks``) a process names its peers by their stage in its own replica; its
+messages go to that replica's processes only. The replicas exchange nothing but a heartbeat:
+every replica's first stage joins a small ``all_reduce`` (``beat``) at each decode step, waited
+for at the next one, so that when a replica stops, the first stages of the others stop at their
+next step (and their stages after them, whose messages from them then fail), instead of running
+to the end of their generation first.
+
 Knows nothing about models, plans or what the tensors hold.
 """
 
@@ -47,42 +54,82 @@ def leave() -> None:
 
 
 class Peers:
-    """This stage's messages to and from the others."""
+    """This stage's messages to and from the others of its replica (peers named by stage)."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, name: str, timeout_s: float):
-        """``device``: where messages live (the CPU for gloo, this process's GPU for NCCL)."""
-        self.rank, self.world, self.device, self.name, self.timeout_s = rank, world, device, name, timeout_s
+    def __init__(self, ranks, rank: int, device: torch.device, timeout_s: float):
+        """``ranks``: the run's ``ranks.Ranks``; ``rank``: this process's; ``device``: where
+        messages live (the CPU for gloo, this process's GPU for NCCL). Every process of the run
+        makes its Peers at the same point (the replicas' heartbeat group is made here)."""
+        self.ranks, self.rank, self.world = ranks, rank, ranks.world
+        self.replica, self.stage = ranks.split(rank)
+        self.device, self.name, self.timeout_s = device, ranks.name(rank), timeout_s
         self.sending = []   # (work, tensor, peer, what): sends not yet known to be done
+        self.beats, self.beating, self.pulse = None, None, None
+        if ranks.replicas > 1:   # every process takes part in making a group, members or not
+            group = dist.new_group(ranks.first_stages(), timeout=datetime.timedelta(seconds=timeout_s))
+            if self.stage == 0:
+                self.beats, self.pulse = group, torch.zeros(1, device=device)
+
+    def _global(self, stage: int) -> int:
+        return self.ranks.rank(self.replica, stage)
 
     def _failed(self, e: BaseException, peer: int, what: str) -> HetplanError:
-        return HetplanError(f"{self.name}: {what} stage {peer} failed: {_reason(e)}; stage {peer} stopped or "
-                            f"did not answer within {self.timeout_s:g} s (--dist-timeout), so this one stops too")
+        them = self.ranks.name(self._global(peer))
+        return HetplanError(f"{self.name}: {what} {them} failed: {_reason(e)}; {them} stopped or did not answer "
+                            f"within {self.timeout_s:g} s (--dist-timeout), so this one stops too")
 
     def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         """Start sending ``tensor`` (made contiguous on ``device``, copied: the caller may reuse
-        its buffer) to ``peer``."""
+        its buffer) to stage ``peer`` of this replica."""
         t = tensor.to(self.device, copy=True).contiguous()
         try:
-            self.sending.append((dist.isend(t, peer), t, peer, what))
+            self.sending.append((dist.isend(t, self._global(peer)), t, peer, what))
         except Exception as e:  # noqa: BLE001
             raise self._failed(e, peer, what) from None
 
     def post(self, shape: tuple, dtype: torch.dtype, peer: int, what: str) -> "Incoming":
-        """Start receiving the next tensor ``peer`` sends (``shape``, ``dtype``); ``wait`` on
-        the answer returns it. Receives from one peer are matched in the order they are posted."""
+        """Start receiving the next tensor stage ``peer`` of this replica sends (``shape``,
+        ``dtype``); ``wait`` on the answer returns it. Receives from one peer are matched in the
+        order they are posted."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
         try:
-            work = dist.irecv(t, peer)
+            work = dist.irecv(t, self._global(peer))
         except Exception as e:  # noqa: BLE001
             raise self._failed(e, peer, what) from None
         return Incoming(self, work, t, peer, what)
+
+    def beat(self) -> None:
+        """The replicas' heartbeat (module docstring): wait for the last one, start the next. A
+        no-op but on a first stage of a run with replicas."""
+        if self.beats is None:
+            return
+        self._settle()
+        try:
+            self.beating = dist.all_reduce(self.pulse, group=self.beats, async_op=True)
+        except Exception as e:  # noqa: BLE001
+            raise self._no_beat(e) from None
+
+    def _settle(self) -> None:
+        if self.beating is None:
+            return
+        try:
+            self.beating.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._no_beat(e) from None
+        self.beating = None
+
+    def _no_beat(self, e: BaseException) -> HetplanError:
+        return HetplanError(f"{self.name}: hearing from the other replicas failed: {_reason(e)}; a replica stopped "
+                            f"or did not answer within {self.timeout_s:g} s (--dist-timeout), so this one stops too")
 
     def recv(self, shape: tuple, dtype: torch.dtype, peer: int, what: str) -> torch.Tensor:
         """The next tensor ``peer`` sends (``shape``, ``dtype``), once it has arrived."""
         return self.post(shape, dtype, peer, what).wait()
 
     def reap(self, every: bool = False) -> None:
-        """Wait for the sends that are done (``every``: for all of them)."""
+        """Wait for the sends that are done (``every``: for all of them, and the last heartbeat)."""
+        if every:
+            self._settle()
         keep = []
         for work, t, peer, what in self.sending:
             try:
@@ -95,6 +142,7 @@ class Peers:
         self.sending = keep
 
     def barrier(self) -> None:
+        """Every process of the run (every replica's)."""
         try:
             dist.barrier()
         except Exception as e:  # noqa: BLE001
@@ -102,7 +150,7 @@ class Peers:
                                f"did not answer within {self.timeout_s:g} s (--dist-timeout)") from None
 
     def all_gather(self, obj) -> list:
-        """Every stage's ``obj``, on every stage."""
+        """Every process's ``obj`` (by rank), on every process."""
         out = [None] * self.world
         try:
             dist.all_gather_object(out, obj)
@@ -112,7 +160,7 @@ class Peers:
         return out
 
     def gather(self, obj, dst: int) -> list | None:
-        """Every stage's ``obj`` on stage ``dst`` (None elsewhere)."""
+        """Every process's ``obj`` (by rank) on rank ``dst`` (None elsewhere)."""
         out = [None] * self.world if self.rank == dst else None
         try:
             dist.gather_object(obj, out, dst=dst)

@@ -7,8 +7,11 @@ this process runs (``part.stage_part``): it reads and places only its own blocks
 
 Micro-batches: the stage holds one KV cache per micro-batch (the first is the residency's own,
 the others allocated beside it in the same tiers, counted by the same ledgers) and one copy of
-the weights; ``forward`` runs a pass over the caches of the micro-batch it names. Knows nothing
-about other processes.
+the weights; ``forward`` runs a pass over the caches of the micro-batch it names. The stage's
+plan sized its caches for the plan's micro-batches (``pipeline.micro_batches``: its placement's
+``kv_bytes`` are that many caches); more micro-batches than that take more memory than the plan
+placed (``extra_kv_bytes``), which the node check (``node.check_micro_batches``) refuses when it
+does not fit. Knows nothing about other processes.
 """
 
 from __future__ import annotations
@@ -23,20 +26,22 @@ from hetplan.runtime import kv_cache
 from hetplan.runtime.backend import Step, backend_for
 from hetplan.runtime.dataflow import TRANSFERS, build_program
 from hetplan.runtime.devices import Devices, check_free_memory, check_pinned_memory, host_available_bytes
+from hetplan.runtime.distributed.node import extra_kv_bytes
 from hetplan.runtime.executor import Executor
 from hetplan.runtime.kernels import quant
 from hetplan.runtime.residency import Residency, pinned_need_bytes
 from hetplan.runtime.weights import torch_dtype
-from hetplan.units import format_bytes
 
 
 class StageRunner:
     """The part of a stage a process runs (``part.stage_part``), placed."""
 
-    def __init__(self, part: Plan, source, mode: str, batch: int, name: str, micro_batches: int = 1):
+    def __init__(self, part: Plan, source, mode: str, batch: int, name: str, micro_batches: int = 1,
+                 planned: int = 1):
         """``source``: the weights (``weight_source``); ``mode``: ``cuda``, ``emulated`` or
         ``cpu`` (``session.choose_mode``); ``name``: how errors name the stage; ``batch``: the
-        sequences of one micro-batch, of which ``micro_batches`` take turns."""
+        sequences of one micro-batch, of which ``micro_batches`` take turns; ``planned``: the
+        micro-batches the plan's KV bytes are for."""
         spec, wl = part.model, part.workload
         self.name, self.mode = name, mode
         quantised = quant.is_quantised(spec.weight_dtype)
@@ -45,13 +50,13 @@ class StageRunner:
         if kinds - backend.kinds:
             raise HetplanError(f"{name}: stage kinds {sorted(kinds - backend.kinds)} have no implementation in "
                                f"the runtime's {spec.arch} backend")
-        extra = extra_kv_bytes(part, micro_batches)
-        check_kv_room(part.memory, extra, micro_batches, mode, name)
+        extra = extra_kv_bytes(part, micro_batches, planned)
         check_free_memory(with_extra_kv(part.memory, extra), mode,
                           torch.cuda.mem_get_info()[0] if mode == "cuda" else None, host_available_bytes())
         if mode == "cuda":   # the further micro-batches' host caches that the GPU copies into are pinned too
             kv_down = {t.block for t in part.schedule["prefill"].tasks if t.kind == "kv_down"}
-            more = (micro_batches - 1) * sum(int(p["kv_bytes"]) for p in part.placement if p["block"] in kv_down)
+            more = max(0, micro_batches - planned) * sum(int(p["kv_bytes"]) // planned for p in part.placement
+                                                         if p["block"] in kv_down)
             check_pinned_memory(pinned_need_bytes(part) + more, host_available_bytes())
         dtype = quant.compute_dtype(mode) if quantised else torch_dtype(spec.weight_dtype, "--weight-dtype")
         if quantised:
@@ -112,28 +117,5 @@ class StageRunner:
         self.devices.close()
 
 
-def extra_kv_bytes(part: Plan, micro_batches: int) -> dict:
-    """Tier -> bytes of the KV caches of micro-batches 2..M: ``(M - 1) x`` the plan's KV bytes
-    in that tier (``placement[].kv_bytes``, one micro-batch's, where its ``kv`` says)."""
-    per = {"gpu": 0, "cpu": 0}
-    for p in part.placement:
-        if p["kv"] is not None:
-            per[p["kv"]] += int(p["kv_bytes"])
-    return {t: (micro_batches - 1) * b for t, b in per.items()}
-
-
 def with_extra_kv(memory: dict, extra: dict) -> dict:
     return dict(memory, gpu_bytes=memory["gpu_bytes"] + extra["gpu"], cpu_bytes=memory["cpu_bytes"] + extra["cpu"])
-
-
-def check_kv_room(memory: dict, extra: dict, micro_batches: int, mode: str, name: str) -> None:
-    """Refuse micro-batches whose further KV caches do not fit the stage's GPU budget."""
-    if mode == "cpu" or not extra["gpu"]:
-        return
-    need, budget = memory["gpu_bytes"] + extra["gpu"], memory["gpu_budget_bytes"]
-    if need > budget:
-        per = extra["gpu"] // (micro_batches - 1)
-        fit = 1 + int((budget - memory["gpu_bytes"]) // per)
-        raise HetplanError(f"{name}: --micro-batches {micro_batches}: with a KV cache per micro-batch the stage "
-                           f"takes {format_bytes(need)} of GPU memory, over its budget of {format_bytes(budget)}; "
-                           f"run at most {fit} micro-batch(es), or recompile with a smaller --batch")

@@ -1,11 +1,12 @@
 """A pipeline run never hangs: a stage process killed mid-run makes the others exit with one
-line within seconds; a rendezvous that never completes ends within --dist-timeout, one line,
+line within seconds (with replicas too: the other replica's processes as well); a rendezvous that never completes ends within --dist-timeout, one line,
 exit 2; a process count that does not match the stages, or a GPU plan without a GPU, is refused
 at once. The processes are started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), one ``python -m hetplan exec`` each."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -20,7 +21,7 @@ import torch
 import transformers
 
 from hetplan.workload import Workload
-from tests.distributed.pipelines import pipeline_plan
+from tests.distributed.pipelines import pipeline_plan, replicated_plan
 
 LONG = Workload(1, 8, 4000, prefill_chunk=8)
 """Decode long enough (thousands of steps) that a run killed after its first step is mid-run."""
@@ -64,13 +65,24 @@ def lines_of(proc: subprocess.Popen) -> queue.Queue:
     return q
 
 
-def stop_mid_run(three_stages, sig, timeout_s: int):
-    """Start three stage processes, send stage 1 ``sig`` once the last one decodes -> (exit codes
-    of stages 0 and 2, seconds they took to exit after it, their stderr)."""
+@pytest.fixture(scope="module")
+def two_by_two(llama_files, tmp_path_factory):
+    """Two replicas of a two-stage pipeline on the four tiny GPUs (``pipelines.replicated_plan``)."""
+    model_dir, node, _ = llama_files
+    path = tmp_path_factory.mktemp("plans") / "two-by-two.json"
+    plan = replicated_plan(model_dir, node, 2, dataclasses.replace(LONG, objective="throughput"), path, "400KiB")
+    assert plan.pipeline["replicas"] == 2 and len(plan.pipeline["stages"]) == 2
+    return path
+
+
+def stop_mid_run(plan_path, sig, timeout_s: int, world: int = 3, victim: int = 1):
+    """Start ``world`` processes, send rank ``victim`` ``sig`` once the last one decodes -> (exit
+    codes of the others, seconds they took to exit after it, their stderr by rank)."""
     port = free_port()
-    procs = [start(three_stages, r, 3, port, "--dist-timeout", str(timeout_s)) for r in range(3)]
+    procs = [start(plan_path, r, world, port, "--dist-timeout", str(timeout_s)) for r in range(world)]
+    others = [r for r in range(world) if r != victim]
     try:
-        last = lines_of(procs[2])
+        last = lines_of(procs[world - 1])
         seen, deadline = [], time.monotonic() + 120
         while time.monotonic() < deadline:  # the last stage reports decode steps as they end
             line = last.get(timeout=deadline - time.monotonic())
@@ -78,11 +90,12 @@ def stop_mid_run(three_stages, sig, timeout_s: int):
             seen.append(line)
             if line.startswith("decode "):
                 break
-        procs[1].send_signal(sig)
+        procs[victim].send_signal(sig)
         stopped = time.monotonic()
-        rcs = [procs[r].wait(timeout=timeout_s + 60) for r in (0, 2)]
+        rcs = [procs[r].wait(timeout=timeout_s + 60) for r in others]
         took = time.monotonic() - stopped
-        stderr = {0: procs[0].stderr.read(), 2: "".join(seen) + "".join(iter(lambda: last.get() or "", ""))}
+        stderr = {r: procs[r].stderr.read() for r in others if r != world - 1}
+        stderr[world - 1] = "".join(seen) + "".join(iter(lambda: last.get() or "", ""))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -109,6 +122,18 @@ def test_a_hung_stage_makes_the_others_exit_with_one_line_within_the_timeout(thr
     assert line.startswith("hetplan: error: stage 2: receiving the decode hidden state from stage 1 failed: Timed out")
     (line,) = errors(stderr[0])
     assert line.startswith("hetplan: error: stage 0: ") and "stage 2 failed" in line
+
+
+def test_a_killed_stage_of_one_replica_makes_every_process_of_both_exit_within_seconds(two_by_two):
+    """Replica 0's stage 1 (rank 1) killed while replica 1 decodes: replica 0's stage 0 loses its
+    peer; replica 1's stage 0 its heartbeat with replica 0, and its stage 1 then its peer."""
+    rcs, took, stderr = stop_mid_run(two_by_two, signal.SIGKILL, 120, world=4, victim=1)
+    assert rcs == [2, 2, 2]
+    assert took < 15, f"the other processes took {took:.1f} s to stop"
+    for r, name in ((0, "replica 0 stage 0"), (2, "replica 1 stage 0"), (3, "replica 1 stage 1")):
+        (line,) = errors(stderr[r])
+        assert line.startswith(f"hetplan: error: {name}: ") and "failed" in line and "stops" in line, line
+    assert "hearing from the other replicas failed" in errors(stderr[2])[0]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

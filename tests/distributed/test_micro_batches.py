@@ -10,12 +10,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import transformers
 
 from hetplan.errors import HetplanError
 from hetplan.runtime.distributed.launch import run_pipeline
-from hetplan.runtime.distributed.stage import check_kv_room
+from hetplan.runtime.distributed.node import check_micro_batches
 from hetplan.runtime.distributed.worker import _for_micro_batches, expected_rate
 from hetplan.runtime.session import RunOptions
 from hetplan.workload import Workload
@@ -61,13 +64,19 @@ def test_each_micro_batch_computes_what_transformers_computes_on_it_alone(llama_
         prefill, steps = result.logits[0][rows], torch.stack([lg[rows] for lg in result.logits[1:]])
         assert (prefill - ref["prefill"]).abs().max() <= TOL * ref["prefill"].abs().max()
         assert (steps - ref["steps"][1:]).abs().max() <= TOL * ref["steps"].abs().max()
-    # one copy of the weights, a KV cache per micro-batch: a stage's planned bytes are its plan's
-    # and M - 1 more caches of its layers, and its peak stays within them in each tier
+    # one copy of the weights, a KV cache per micro-batch: a stage's plan holds the caches of the
+    # micro-batches the plan keeps in flight (a throughput plan: one per stage; else one); its
+    # planned bytes are its plan's and a cache more per further micro-batch, and its peak stays
+    # within them in each tier
     context = PROMPT_LEN + GEN_LEN
+    planned = len(cuts) - 1 if objective == "max" else 1
+    assert plan.pipeline["micro_batches"] == planned
     for s, st in zip(result.stages, plan.pipeline["stages"]):
         a, b = s["layers"]
-        extra = (m - 1) * (b - a) * KV_BYTES_PER_LAYER_TOKEN * context * batch
+        one = (b - a) * KV_BYTES_PER_LAYER_TOKEN * context * batch
         own = st["plan"]["memory"]
+        assert own["breakdown"]["gpu"]["kv"] + own["breakdown"]["cpu"]["kv"] == planned * one
+        extra = max(0, m - planned) * one
         assert s["planned_bytes"]["gpu"] + s["planned_bytes"]["cpu"] == own["gpu_bytes"] + own["cpu_bytes"] + extra
         assert s["peak_bytes"]["gpu"] <= s["planned_bytes"]["gpu"]
         assert s["peak_bytes"]["cpu"] <= s["planned_bytes"]["cpu"]
@@ -104,15 +113,45 @@ def test_prompts_must_be_one_or_one_per_sequence_of_every_micro_batch():
 
 
 def test_micro_batches_whose_kv_caches_overflow_the_gpu_budget_are_refused_naming_how_many_fit():
-    """A stage of 60 MiB with 10 MiB of KV on a 100 MiB budget: 5 micro-batches need 100 MiB,
-    6 need 110 MiB; at most 5 fit."""
+    """A stage of 60 MiB whose plan holds 2 micro-batches' KV caches of 10 MiB each, on a 100 MiB
+    budget: 6 micro-batches need 4 more caches, 100 MiB; 7 need 110 MiB; at most 6 fit."""
     MiB = 2**20
-    memory = {"gpu_bytes": 60 * MiB, "gpu_budget_bytes": 100 * MiB}
-    check_kv_room(memory, {"gpu": 4 * 10 * MiB, "cpu": 0}, 5, "emulated", "stage 1")
-    with pytest.raises(HetplanError, match=r"^stage 1: --micro-batches 6: .* takes 110.00 MiB .* budget of 100.00 MiB; "
-                                           r"run at most 5 "):
-        check_kv_room(memory, {"gpu": 5 * 10 * MiB, "cpu": 0}, 6, "emulated", "stage 1")
-    check_kv_room(memory, {"gpu": 5 * 10 * MiB, "cpu": 0}, 6, "cpu", "stage 1")   # no GPU: DRAM is checked later
+    stage = SimpleNamespace(placement=[{"block": "attn_0", "kv": "gpu", "kv_bytes": 12 * MiB},
+                                       {"block": "attn_1", "kv": "gpu", "kv_bytes": 8 * MiB},
+                                       {"block": "mlp_0", "kv": None, "kv_bytes": 0}],
+                            memory={"gpu_bytes": 60 * MiB, "gpu_budget_bytes": 100 * MiB})
+    check_micro_batches(stage, "stage 1", "emulated", 6, planned=2)
+    with pytest.raises(HetplanError, match=r"^stage 1: --micro-batches 7: the plan sized the stage's KV caches for 2 "
+                                           r"micro-batch\(es\); .* takes 110.00 MiB .* budget of 100.00 MiB; "
+                                           r"run at most 6 "):
+        check_micro_batches(stage, "stage 1", "emulated", 7, planned=2)
+    check_micro_batches(stage, "stage 1", "cpu", 7, planned=2)   # no GPU: the host check counts DRAM
+
+
+def test_more_micro_batches_than_a_stage_holds_are_refused_before_any_weight_is_read(llama_files, tmp_path):
+    """A throughput plan of two all-GPU stages (64 MiB GPUs) for 1000 decoded tokens: each stage's
+    two layers' cache of one micro-batch is 2 x 256 bytes x 1008 tokens; 300 micro-batches
+    overflow the budget. The weights given lack layer 3, which stage 1 would read: the refusal
+    comes first, one line, before any process starts."""
+    model_dir, node, _ = llama_files
+    wl = Workload(1, PROMPT_LEN, 1000, prefill_chunk=PROMPT_LEN)
+    plan = pipeline_plan(model_dir, node, [0, 2, 4], ["all-gpu", "all-gpu"], wl, tmp_path / "plan.json", "max")
+    own = plan.pipeline["stages"][0]["plan"]["memory"]
+    one = 2 * KV_BYTES_PER_LAYER_TOKEN * (PROMPT_LEN + 1000)
+    assert own["breakdown"]["gpu"]["kv"] == 2 * one     # both micro-batches' caches, in HBM
+    fit = 2 + int((own["gpu_budget_bytes"] - own["gpu_bytes"]) // one)
+    assert fit < 300
+    short = tmp_path / "three-layers"
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = 3
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(short, safe_serialization=True)
+    out = subprocess.run([sys.executable, "-m", "hetplan", "exec", str(tmp_path / "plan.json"), "--weights", str(short),
+                          "--emulate", "--micro-batches", "300"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    (line,) = [l for l in out.stderr.splitlines() if l.startswith("hetplan: error:")]
+    assert line.startswith("hetplan: error: stage 0: --micro-batches 300: the plan sized the stage's KV caches for 2 ")
+    assert f"run at most {fit} micro-batch(es)" in line
+    assert "Traceback" not in out.stderr
 
 
 def test_hetplan_exec_micro_batches_reports_busy_and_idle_time_per_stage(llama_files, tmp_path):

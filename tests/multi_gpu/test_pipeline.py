@@ -103,9 +103,9 @@ def test_the_throughput_pipeline_minimises_its_slowest_stage():
         alone = SOLVE(stage_problem(spec, hw, wl, k, 0, 4))
         if alone is not None:
             slowest[("alone", k)] = alone.predicted["tpot_s"]
-    for s in range(1, 4):  # every two-stage split
-        a = SOLVE(stage_problem(spec, hw, wl, 0, 0, s))
-        b = SOLVE(stage_problem(spec, hw, wl, 1, s, 4))
+    for s in range(1, 4):  # every two-stage split, each stage holding a KV cache per micro-batch: 2
+        a = SOLVE(stage_problem(spec, hw, wl, 0, 0, s, kv_copies=2))
+        b = SOLVE(stage_problem(spec, hw, wl, 1, s, 4, kv_copies=2))
         if a is not None and b is not None:
             slowest[s] = max(a.predicted["tpot_s"], b.predicted["tpot_s"], decode_link)
     assert 1 / pp.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(min(slowest.values()), rel=1e-9)
