@@ -40,18 +40,12 @@ inline int64_t value_bytes(int fmt, int64_t K) {
   }
 }
 
-// Block j of group g (32 values of x at xr) quantised and stored as quantise_xd lays it out:
-// dx = max|x| / 127, qx = round-to-nearest-even(x * (1 / dx)) (std::nearbyint's rounding under
-// the default mode, as the cvtps conversion rounds), its sum returned for the offsets.
+// Block j of group g (32 values of x at xr) quantised (qint8.h's quantise32) and stored as
+// quantise_xd lays it out; dx and the sum of qx returned for the scales and offsets.
 template <int FMT>
 inline void quantise_block(const float* xr, int8_t* g, int j, float& dx, int& sum) {
-  const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  dx = amax / 127.f;
-  const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  const __m512i q0 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-  const __m512i q1 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  __m512i q0, q1;
+  dx = quantise32(xr, q0, q1);
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   auto store = [](int8_t* at, __m512i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtepi32_epi8(v)); };
   if (FMT == Q8_0 || FMT == INT8) {          // u = qx + 128, values in order

@@ -33,6 +33,19 @@ struct QX {                   // x quantised: per row m, per pair of blocks p
   std::vector<float> s;       // [M, 16 np]  dx * sum of the lane's 4 qx (q4_k_m's offset term)
 };
 
+// 32 values of x quantised as a block: dx = max|x| / 127 returned, q0 / q1 = values 0-15 / 16-31
+// as round-to-nearest-even(x * (1 / dx)) in [-127, 127] (std::nearbyint's rounding under the
+// default mode, which the cvtps conversion uses): the scalar loops' numbers, 16 lanes at a time.
+inline float quantise32(const float* x, __m512i& q0, __m512i& q1) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float dx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / 127.f;
+  const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  q0 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+  q1 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  return dx;
+}
+
 inline QX quantise_x(const float* x, int64_t M, int64_t K) {
   QX q;
   q.np = (K + 63) / 64;
@@ -44,6 +57,22 @@ inline QX quantise_x(const float* x, int64_t M, int64_t K) {
       const float* xr = x + m * K;
       for (int64_t b = 0; b < 2 * q.np; ++b) {
         const int64_t k0 = 32 * b, k1 = std::min<int64_t>(K, k0 + 32);
+        if (k1 - k0 == 32) {   // a whole block: quantise32, as the loop below
+          __m512i q0, q1;
+          const float dx = quantise32(xr + k0, q0, q1);
+          const __m512i u128 = _mm512_set1_epi32(128);
+          uint8_t* u = q.u.data() + m * 64 * q.np + k0;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(u), _mm512_cvtepi32_epi8(_mm512_add_epi32(q0, u128)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, u128)));
+          alignas(64) int32_t v[32];
+          _mm512_store_si512(v, q0);
+          _mm512_store_si512(v + 16, q1);
+          for (int l = 0; l < 8; ++l) {
+            q.d[m * 16 * q.np + 8 * b + l] = dx;
+            q.s[m * 16 * q.np + 8 * b + l] = dx * static_cast<float>(v[4 * l] + v[4 * l + 1] + v[4 * l + 2] + v[4 * l + 3]);
+          }
+          continue;
+        }
         float amax = 0.f;
         for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
         const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
