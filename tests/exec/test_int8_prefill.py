@@ -103,12 +103,16 @@ def test_without_int8_prefill_the_fp32_tiles_run(monkeypatch, fmt):
     assert (err <= fp32_bound(xd, wd)).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [1, 7])
-def test_int8_of_fused_linears(int8, m):
-    a, b = weights((24, 96), 12), weights((40, 96), 13)
+def test_int8_of_fused_linears(int8, fmt, m):
+    """A fused linear (three segments, as qkv is) in one call: x quantised once, each segment's
+    outputs in its own columns."""
+    a, b, c = weights((24, 96), 12), weights((40, 96), 13), weights((17, 96), 14)
     x = torch.randn(2, m, 96)
-    got = linear(x, PackedLinear.cat([packed("q4_0", a), packed("q4_0", b)])).view(2 * m, 64).double().numpy()
-    xd, wd = x.view(2 * m, 96).double().numpy(), np.concatenate([decoded("q4_0", a), decoded("q4_0", b)])
+    got = linear(x, PackedLinear.cat([packed(fmt, a), packed(fmt, b), packed(fmt, c)])).view(2 * m, 81)
+    got = got.double().numpy()
+    xd, wd = x.view(2 * m, 96).double().numpy(), np.concatenate([decoded(fmt, a), decoded(fmt, b), decoded(fmt, c)])
     assert (np.abs(got - xd @ wd.T) <= rounding_bound(xd, wd) + fp32_bound(xd, wd)).all()
 
 

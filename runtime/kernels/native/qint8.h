@@ -187,9 +187,13 @@ inline void tile(const QX& q, const Panel& pn, int64_t m0, int64_t i0, int64_t n
 }
 
 template <int FMT, int MR, int NR>
-void int8_fmt(const Rows& r, const QX& q, int64_t M, int64_t N, float* y) {
+void int8_fmt(const Rows& r, const QX& q, int64_t M, int64_t N, float* y, int64_t ldy) {
   at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
     Panel pn;
+    // The panel's outputs for every row of x, written out a row's NT values at a time: the
+    // tiles' scattered stores stay in cache whatever y's row stride (a fused weight's outputs
+    // are a column range of a wider y, whose stride can alias in the caches).
+    std::vector<float> out(M * NT);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * NT, rows = std::min<int64_t>(NT, N - n0);
       unpack_panel<FMT>(r, n0, rows, q.np, pn);
@@ -197,20 +201,21 @@ void int8_fmt(const Rows& r, const QX& q, int64_t M, int64_t N, float* y) {
         const bool whole_m = m + MR <= M;
         for (int64_t i = 0; i < rows; i += NR) {
           if (whole_m && i + NR <= rows) {
-            tile<FMT, MR, NR>(q, pn, m, i, n0, y, N);
+            tile<FMT, MR, NR>(q, pn, m, i, 0, out.data(), NT);
           } else {
             for (int64_t a = m; a < std::min<int64_t>(M, m + MR); ++a)
-              for (int64_t j = i; j < std::min<int64_t>(rows, i + NR); ++j) tile<FMT, 1, 1>(q, pn, a, j, n0, y, N);
+              for (int64_t j = i; j < std::min<int64_t>(rows, i + NR); ++j) tile<FMT, 1, 1>(q, pn, a, j, 0, out.data(), NT);
           }
         }
       }
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out.data() + m * NT, sizeof(float) * rows);
     }
   });
 }
 
 // q4_k_m's offset term, y[m, n] += sum_b (dx_b S_b)[m] * c_b[n], as one fp32 GEMM of
 // [M, blocks] by [blocks, N] (1/32 of the int8 work) instead of an FMA per lane in the tile.
-inline void add_offsets(const Rows& r, const QX& q, int64_t M, int64_t N, float* y) {
+inline void add_offsets(const Rows& r, const QX& q, int64_t M, int64_t N, float* y, int64_t ldy) {
   const int64_t nb = 2 * q.np, stored = (r.K + 31) / 32;
   auto sx = torch::zeros({M, nb});
   auto c = torch::zeros({N, nb});
@@ -226,20 +231,26 @@ inline void add_offsets(const Rows& r, const QX& q, int64_t M, int64_t N, float*
         pc[n * nb + b] = -dmin[b / 8] * static_cast<float>(r.p[2][n * r.stride[2] + b]);
     }
   });
-  torch::from_blob(y, {M, N}).add_(torch::mm(sx, c.t()));
+  torch::from_blob(y, {M, N}, {ldy, 1}).add_(torch::mm(sx, c.t()));
 }
 
-// y [M, N] = x [M, K] @ W^T with x quantised per block (see above); x contiguous fp32.
-inline void int8_matmul(const Rows& r, const float* x, int64_t M, int64_t N, float* y) {
-  const QX q = quantise_x(x, M, r.K);
-  switch (r.fmt) {
-    case Q8_0: return int8_fmt<Q8_0, 8, 2>(r, q, M, N, y);
-    case Q4_0: return int8_fmt<Q4_0, 8, 2>(r, q, M, N, y);
-    case INT8: return int8_fmt<INT8, 8, 2>(r, q, M, N, y);
-    case INT4: return int8_fmt<INT4, 8, 2>(r, q, M, N, y);
-    default:
-      int8_fmt<Q4_K_M, 8, 2>(r, q, M, N, y);
-      return add_offsets(r, q, M, N, y);
+// y [M, N] = x [M, K] @ [W_1; W_2; ...]^T over the segments (a fused qkv or gate_up), x
+// quantised per block once for all of them (see above) and each segment's outputs written into
+// its columns of y; x contiguous fp32.
+inline void int8_matmul(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
+  const QX q = quantise_x(x, M, segs[0].r.K);
+  for (const Seg& g : segs) {
+    const Rows& r = g.r;
+    float* yg = y + g.off;
+    switch (r.fmt) {
+      case Q8_0: int8_fmt<Q8_0, 8, 2>(r, q, M, g.n, yg, N); break;
+      case Q4_0: int8_fmt<Q4_0, 8, 2>(r, q, M, g.n, yg, N); break;
+      case INT8: int8_fmt<INT8, 8, 2>(r, q, M, g.n, yg, N); break;
+      case INT4: int8_fmt<INT4, 8, 2>(r, q, M, g.n, yg, N); break;
+      default:
+        int8_fmt<Q4_K_M, 8, 2>(r, q, M, g.n, yg, N);
+        add_offsets(r, q, M, g.n, yg, N);
+    }
   }
 }
 #endif

@@ -416,18 +416,18 @@ torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<st
     direct(segs, xc.data_ptr<float>(), M, N, Kp, y.data_ptr<float>());
     return y;
   }
+#ifdef HETPLAN_VNNI
+  if (int8 && fmt <= Q4_K_M) {   // every segment in one call: x quantised once
+    int8_matmul(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+    return y;
+  }
+#endif
   for (size_t s = 0; s < segs.size(); ++s) {
     const Seg& g = segs[s];
     if (segs.size() > 1) {
       y.narrow(1, g.off, g.n).copy_(matmul_cat(xc, fmt, K, {segments[s]}, int8));
       continue;
     }
-#ifdef HETPLAN_VNNI
-    if (int8 && fmt <= Q4_K_M) {
-      int8_matmul(g.r, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
-      return y;
-    }
-#endif
     // a tile of about 1 MiB of fp32 weights, in cache while at::mm reads it
     const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / Kp / 16 * 16));
     auto scratch = torch::empty({tile, K}, x.options());
