@@ -16,7 +16,8 @@ import dataclasses
 from hetplan import progress
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.hardware import HardwareSpec
-from hetplan.pipeline.plan import PipelinePlan, fixed_pipeline, llama_cpp_split, plan_pipeline
+from hetplan.pipeline.plan import (PipelinePlan, fixed_pipeline, llama_cpp_split, pipeline_lower_bound,
+                                   plan_pipeline)
 from hetplan.pipeline.topology import Topology
 from hetplan.problem import build_problem
 from hetplan.units import format_bytes, parse_bytes
@@ -132,10 +133,16 @@ def compile_pipeline(spec, hw, req, routing=None):
 def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePlan:
     """The throughput objective: ``best`` (one pipeline over every device), or ``r`` replicas of
     a pipeline over ``devices / r`` alike devices each where they serve more sequences a second
-    (``hetplan.pipeline.replicas``), at the same batch per replica."""
-    from hetplan.pipeline.replicas import replica_counts
+    (``hetplan.pipeline.replicas``), at the same batch per replica. A replica count whose group's
+    pipeline cannot serve more, by its lower bound (``pipeline_lower_bound``), is not solved: it
+    would not be taken (only a strictly better one replaces ``best``)."""
+    from hetplan.pipeline.replicas import first_group, replica_counts
 
     for r in replica_counts(topo):
+        group = first_group(topo, r)
+        if pipeline_lower_bound(spec, group, best.workload, "max") / (best.workload.batch * r) \
+                >= best.seconds_per_sequence():
+            continue
         try:
             pp = replicated(spec, topo, r, best.workload, solve)
         except InfeasibleError:
