@@ -140,8 +140,8 @@ def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePl
 
     for r in replica_counts(topo):
         group = first_group(topo, r)
-        if pipeline_lower_bound(spec, group, best.workload, "max") / (best.workload.batch * r) \
-                >= best.seconds_per_sequence():
+        bound = pipeline_lower_bound(spec, group, best.workload, "max") / (best.workload.batch * r)
+        if bound > best.seconds_per_sequence() * (1 + BOUND_ROUNDING):
             continue
         try:
             pp = replicated(spec, topo, r, best.workload, solve)
@@ -150,6 +150,11 @@ def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePl
         if pp.seconds_per_sequence() < best.seconds_per_sequence():
             best = pp
     return best
+
+
+BOUND_ROUNDING = 1e-9
+"""Relative slack on a lower bound before it rules a candidate out: a bound summed in another
+order than the price it bounds may round a few ulps above it."""
 
 
 def replicated(spec, topo: Topology, r: int, wl, solve) -> PipelinePlan:

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from hetplan.compiler import CompileRequest, stage_solver
 from hetplan.hardware import PeerLink
 from hetplan.pipeline import plan_pipeline, stage_problem
-from hetplan.pipeline.compile import best_replicas
+from hetplan.pipeline.compile import best_replicas, replicated
+from hetplan.pipeline.plan import pipeline_lower_bound
 from hetplan.pipeline.replicas import first_group, replica_counts, replicas_fit_dram
 from hetplan.pipeline.topology import Topology
 from hetplan.schema.pipeline import Pipeline
@@ -91,3 +92,40 @@ def test_replicas_on_one_node_share_its_dram():
     tight = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, memory_bytes=int(1.5 * cpu)))
     assert replicas_fit_dram(Topology.of(hw), 2, pp.stages)
     assert not replicas_fit_dram(Topology.of(tight), 2, pp.stages)
+
+
+def counting(solve):
+    """``solve``, counting its calls in ``.calls``."""
+    def wrapped(problem):
+        wrapped.calls += 1
+        return solve(problem)
+    wrapped.calls = 0
+    return wrapped
+
+
+@pytest.mark.parametrize("mib, unsolved", [(60, [2, 4]), (80, [2, 4]), (120, [4])])
+def test_replica_counts_ruled_out_by_their_bound_are_not_solved_and_the_choice_is_exhaustive(mib, unsolved):
+    # 8 layers of ~30 MiB on 4 GPUs of `mib` MiB: one GPU streams most of the model over its 16 GB/s
+    # link, four hold it resident. Exhaustive: every replica count solved in full, the best taken
+    # (the first strictly fewer seconds per sequence, in the order 1 pipeline, 2, 4 replicas).
+    spec = tiny_spec(n_layers=8, hidden=1024, intermediate=4096, n_heads=16, n_kv_heads=8, head_dim=64)
+    topo = Topology.of(gpus(*[mib / 1024] * 4))
+    whole = plan_pipeline(spec, topo, WL, SOLVE, objective="max")
+    candidates = [whole]
+    for r in replica_counts(topo):
+        pp = replicated(spec, topo, r, WL, SOLVE)
+        bound = pipeline_lower_bound(spec, first_group(topo, r), WL, "max")
+        assert bound <= pp.objective_s() * (1 + 1e-12)
+        candidates.append(pp)
+    want = min(candidates, key=lambda pp: pp.seconds_per_sequence())  # min keeps the first of equals
+    solve = counting(SOLVE)
+    best = best_replicas(spec, topo, whole, solve)
+    assert (best.replicas, best.seconds_per_sequence()) == (want.replicas, want.seconds_per_sequence())
+    assert [(s.first_layer, s.end_layer) for s in best.stages] == [(s.first_layer, s.end_layer) for s in want.stages]
+    # a ruled-out count is worse than the one taken, and costs no solve
+    for r in unsolved:
+        assert candidates[replica_counts(topo).index(r) + 1].seconds_per_sequence() > best.seconds_per_sequence()
+    if unsolved == replica_counts(topo):
+        assert solve.calls == 0
+    else:
+        assert solve.calls > 0
