@@ -104,18 +104,8 @@ def compile_pipeline(spec, hw, req, routing=None):
     objective = "max" if req.objective == "throughput" else "sum"
     batches = [1 << i for i in range(req.batch.bit_length()) if 1 << i <= req.batch] \
         if req.objective == "throughput" else [req.batch]
-    best, failure = None, None
     solve = stage_solver(req, moe_stages=True)
-    for batch in batches:
-        with progress.step(f"choosing pipeline stages over the {len(topo.devices)} devices of {topo.name!r}"
-                           + (f" (batch {batch})" if len(batches) > 1 else "")):
-            try:
-                pp = plan_pipeline(spec, topo, _workload(req, batch), solve, objective)
-            except InfeasibleError as e:
-                failure = failure or e
-                break
-        if best is None or pp.seconds_per_sequence() < best.seconds_per_sequence():
-            best = pp
+    best, failure = best_batch(spec, topo, req, batches, solve, objective)
     if best is not None and objective == "max":
         best = best_replicas(spec, topo, best, solve)
     if best is None:
@@ -128,6 +118,33 @@ def compile_pipeline(spec, hw, req, routing=None):
     inputs = {"model_source": req.model, "hw_source": req.hw, "cli_args": req.cli_args(routing)}
     solve_s = sum(s.plan.solver.get("solve_seconds", 0.0) for s in best.stages)
     return dataclasses.replace(first, inputs=inputs, pipeline=record), solve_s
+
+
+def best_batch(spec, topo: Topology, req, batches: list, solve, objective: str) -> tuple:
+    """(the pipeline of the batch in ``batches`` with the fewest seconds per sequence, the smallest
+    of equals, or None; the InfeasibleError of the smallest batch that did not fit, or None).
+    The largest batch is planned first; a smaller one whose pipeline cannot beat the best so far,
+    by its lower bound (``pipeline_lower_bound``), is not solved. A batch that does not fit
+    leaves the smaller ones to try (a larger one would not fit either: its KV caches are larger)."""
+    from hetplan.compiler import _workload
+
+    best, failure = None, None
+    for batch in sorted(batches, reverse=True):
+        wl = _workload(req, batch)
+        if best is not None and len(batches) > 1:
+            bound = pipeline_lower_bound(spec, topo, wl, objective) / batch
+            if bound > best.seconds_per_sequence() * (1 + BOUND_ROUNDING):
+                continue
+        with progress.step(f"choosing pipeline stages over the {len(topo.devices)} devices of {topo.name!r}"
+                           + (f" (batch {batch})" if len(batches) > 1 else "")):
+            try:
+                pp = plan_pipeline(spec, topo, wl, solve, objective)
+            except InfeasibleError as e:
+                failure = e
+                continue
+        if best is None or pp.seconds_per_sequence() <= best.seconds_per_sequence():
+            best = pp
+    return best, failure
 
 
 def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePlan:
