@@ -7,10 +7,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from hetplan.compiler import CompileRequest, stage_solver
+from hetplan.compiler import CompileRequest, _workload, stage_solver
+from hetplan.errors import InfeasibleError
 from hetplan.hardware import PeerLink
 from hetplan.pipeline import plan_pipeline, stage_problem
-from hetplan.pipeline.compile import best_replicas, replicated
+from hetplan.pipeline.compile import best_batch, best_replicas, replicated
 from hetplan.pipeline.plan import pipeline_lower_bound
 from hetplan.pipeline.replicas import first_group, replica_counts, replicas_fit_dram
 from hetplan.pipeline.topology import Topology
@@ -129,3 +130,36 @@ def test_replica_counts_ruled_out_by_their_bound_are_not_solved_and_the_choice_i
         assert solve.calls == 0
     else:
         assert solve.calls > 0
+
+
+@pytest.mark.parametrize("mib", [60, 120, 1024])
+def test_the_batch_search_takes_the_best_batch_of_every_one_solved_and_solves_no_batch_its_bound_rules_out(mib):
+    # exhaustive: every batch 1, 2, 4, 8 planned in full; the fewest seconds per sequence wins,
+    # the smallest batch of equals; a batch planned only where its bound is below the winner's
+    spec = tiny_spec(n_layers=8, hidden=1024, intermediate=4096, n_heads=16, n_kv_heads=8, head_dim=64)
+    topo = Topology.of(gpus(*[mib / 1024] * 4))
+    req = CompileRequest(model="tiny", hw="tiny", objective="throughput", batch=8, prompt_len=64, gen_len=16,
+                         prefill_chunk=64)
+    every = {}
+    for b in (1, 2, 4, 8):
+        try:
+            every[b] = plan_pipeline(spec, topo, _workload(req, b), SOLVE, objective="max")
+        except InfeasibleError:
+            break
+    want = min(every, key=lambda b: (every[b].seconds_per_sequence(), b))
+    solved = []
+
+    def solve(problem):
+        solved.append(problem.workload.batch)
+        return SOLVE(problem)
+
+    best, failure = best_batch(spec, topo, req, [1, 2, 4, 8], solve, "max")
+    assert failure is None or len(every) < 4
+    assert best.workload.batch == want
+    assert best.seconds_per_sequence() == every[want].seconds_per_sequence()
+    for b in every:
+        bound = pipeline_lower_bound(spec, topo, _workload(req, b), "max") / b
+        assert bound <= every[b].seconds_per_sequence() * (1 + 1e-12)
+        if b not in solved:  # ruled out: its bound, so its pipeline, is above the winner's
+            assert bound > best.seconds_per_sequence() and every[b].seconds_per_sequence() > best.seconds_per_sequence()
+    assert 8 in solved and set(solved) != set(every)  # at least one batch left unsolved
