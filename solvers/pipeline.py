@@ -33,6 +33,10 @@ optimum. Otherwise its unpriced stages are priced and the DP runs again. Exact f
   stage costs at least the dearest priced stage it contains on the same GPU.
 
 Ties (costs within ``TIE``) go to fewer stages, then to the smaller slowest stage or link.
+
+``split_lower_bound`` runs the same DP on the lower bounds alone, pricing nothing: every split
+costs at least its cost at the bounds, so the cheapest split at the bounds bounds them all. A
+caller comparing several searches (e.g. replica counts) skips one whose bound cannot win.
 """
 
 from __future__ import annotations
@@ -79,6 +83,18 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         for s in unpriced:
             if keys[s] not in price:
                 price[keys[s]] = stage(*s)
+
+
+def split_lower_bound(n_layers: int, n_gpus: int, link: Callable, objective: str, lower: Callable) -> float:
+    """A lower bound on the cost of every split of ``n_layers`` layers over GPUs
+    ``0..n_gpus-1`` (``best_split``'s, for any ``stage`` that ``lower`` bounds), with no stage
+    priced: the DP's optimum over ``lower``'s values; ``math.inf`` when every bound is."""
+    if objective not in ("sum", "max"):
+        raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
+    L, K = n_layers, n_gpus
+    bound = {(k, a, b): lower(k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)}
+    links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
+    return _cheapest(bound, links, L, K, objective)[0]
 
 
 def _raise_to_contained(cost: dict, priced: set, L: int, K: int) -> None:

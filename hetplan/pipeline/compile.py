@@ -16,7 +16,8 @@ import dataclasses
 from hetplan import progress
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.hardware import HardwareSpec
-from hetplan.pipeline.plan import PipelinePlan, fixed_pipeline, llama_cpp_split, plan_pipeline
+from hetplan.pipeline.plan import (PipelinePlan, fixed_pipeline, llama_cpp_split, pipeline_lower_bound,
+                                   plan_pipeline)
 from hetplan.pipeline.topology import Topology
 from hetplan.problem import build_problem
 from hetplan.units import format_bytes, parse_bytes
@@ -103,18 +104,8 @@ def compile_pipeline(spec, hw, req, routing=None):
     objective = "max" if req.objective == "throughput" else "sum"
     batches = [1 << i for i in range(req.batch.bit_length()) if 1 << i <= req.batch] \
         if req.objective == "throughput" else [req.batch]
-    best, failure = None, None
     solve = stage_solver(req, moe_stages=True)
-    for batch in batches:
-        with progress.step(f"choosing pipeline stages over the {len(topo.devices)} devices of {topo.name!r}"
-                           + (f" (batch {batch})" if len(batches) > 1 else "")):
-            try:
-                pp = plan_pipeline(spec, topo, _workload(req, batch), solve, objective)
-            except InfeasibleError as e:
-                failure = failure or e
-                break
-        if best is None or pp.seconds_per_sequence() < best.seconds_per_sequence():
-            best = pp
+    best, failure = best_batch(spec, topo, req, batches, solve, objective)
     if best is not None and objective == "max":
         best = best_replicas(spec, topo, best, solve)
     if best is None:
@@ -129,13 +120,46 @@ def compile_pipeline(spec, hw, req, routing=None):
     return dataclasses.replace(first, inputs=inputs, pipeline=record), solve_s
 
 
+def best_batch(spec, topo: Topology, req, batches: list, solve, objective: str) -> tuple:
+    """(the pipeline of the batch in ``batches`` with the fewest seconds per sequence, the smallest
+    of equals, or None; the InfeasibleError of the smallest batch that did not fit, or None).
+    The largest batch is planned first; a smaller one whose pipeline cannot beat the best so far,
+    by its lower bound (``pipeline_lower_bound``), is not solved. A batch that does not fit
+    leaves the smaller ones to try (a larger one would not fit either: its KV caches are larger)."""
+    from hetplan.compiler import _workload
+
+    best, failure = None, None
+    for batch in sorted(batches, reverse=True):
+        wl = _workload(req, batch)
+        if best is not None and len(batches) > 1:
+            bound = pipeline_lower_bound(spec, topo, wl, objective) / batch
+            if bound > best.seconds_per_sequence() * (1 + BOUND_ROUNDING):
+                continue
+        with progress.step(f"choosing pipeline stages over the {len(topo.devices)} devices of {topo.name!r}"
+                           + (f" (batch {batch})" if len(batches) > 1 else "")):
+            try:
+                pp = plan_pipeline(spec, topo, wl, solve, objective)
+            except InfeasibleError as e:
+                failure = e
+                continue
+        if best is None or pp.seconds_per_sequence() <= best.seconds_per_sequence():
+            best = pp
+    return best, failure
+
+
 def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePlan:
     """The throughput objective: ``best`` (one pipeline over every device), or ``r`` replicas of
     a pipeline over ``devices / r`` alike devices each where they serve more sequences a second
-    (``hetplan.pipeline.replicas``), at the same batch per replica."""
-    from hetplan.pipeline.replicas import replica_counts
+    (``hetplan.pipeline.replicas``), at the same batch per replica. A replica count whose group's
+    pipeline cannot serve more, by its lower bound (``pipeline_lower_bound``), is not solved: it
+    would not be taken (only a strictly better one replaces ``best``)."""
+    from hetplan.pipeline.replicas import first_group, replica_counts
 
     for r in replica_counts(topo):
+        group = first_group(topo, r)
+        bound = pipeline_lower_bound(spec, group, best.workload, "max") / (best.workload.batch * r)
+        if bound > best.seconds_per_sequence() * (1 + BOUND_ROUNDING):
+            continue
         try:
             pp = replicated(spec, topo, r, best.workload, solve)
         except InfeasibleError:
@@ -143,6 +167,11 @@ def best_replicas(spec, topo: Topology, best: PipelinePlan, solve) -> PipelinePl
         if pp.seconds_per_sequence() < best.seconds_per_sequence():
             best = pp
     return best
+
+
+BOUND_ROUNDING = 1e-9
+"""Relative slack on a lower bound before it rules a candidate out: a bound summed in another
+order than the price it bounds may round a few ulps above it."""
 
 
 def replicated(spec, topo: Topology, r: int, wl, solve) -> PipelinePlan:

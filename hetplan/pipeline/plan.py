@@ -180,7 +180,6 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     machines = [topo.device_hw(d) for d in devices]
     kind = [machines.index(m) for m in machines]  # equal devices share prices
     plans: dict = {}
-    bounds: dict = {}
     copies = micro_batch_count(objective, len(devices))
 
     def key(k, a, b):
@@ -192,25 +191,11 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
             plans[key(k, a, b), n_kv] = solve_stage(device_problem(spec, machines[k], wl, a, b, n_kv))
         return plans[key(k, a, b), n_kv]
 
-    def seconds(pred_ttft: float, pred_tpot: float) -> float:
-        """What ``wl.objective`` minimises of a stage or a link (the throughput objective: its
-        decode time, the interval the slowest one sets)."""
-        if objective == "max":
-            return pred_tpot
-        return {"ttft": pred_ttft, "tpot": pred_tpot}.get(wl.objective, pred_ttft + wl.gen_len * pred_tpot)
+    seconds, lower, link = _pricing(spec, topo, wl, objective, machines, kind)
 
     def stage(k, a, b, n_kv=None):
         p = stage_plan(k, a, b, n_kv)
         return math.inf if p is None else seconds(p.predicted["ttft_s"], p.predicted["tpot_s"])
-
-    def lower(k, a, b):
-        if kind[k] not in bounds:
-            bounds[kind[k]] = StageBound(spec, machines[k], wl)
-        return seconds(*bounds[kind[k]](a, b))
-
-    def link(j, k):
-        return seconds(*(topo.hop(devices[j], devices[k], hidden_bytes(spec, wl, ph))[1]
-                         for ph in ("prefill", "decode")))
 
     split = best_split(L, len(devices), stage, link, objective, lower, key)
     if split is None:
@@ -224,6 +209,43 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
             pp = _sized(spec, topo, wl, objective, ((k, 0, L),), stage_plan, alone[k])
     check_dram(spec, topo, pp.stages)
     return pp
+
+
+def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "sum") -> float:
+    """A lower bound on ``objective_s`` of the pipeline ``plan_pipeline`` returns for the same
+    arguments, whatever its split, KV copies or single device alone, with no stage solved: the
+    stage DP over the stages' lower bounds (``StageBound``, ``split_lower_bound``)."""
+    from hetplan.solvers.pipeline import split_lower_bound
+
+    topo = Topology.of(hw)
+    machines = [topo.device_hw(d) for d in topo.devices]
+    _, lower, link = _pricing(spec, topo, wl, objective, machines, [machines.index(m) for m in machines])
+    return split_lower_bound(spec.n_layers, len(machines), link, objective, lower)
+
+
+def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, machines: list, kind: list) -> tuple:
+    """(seconds, lower, link) of the stage DP: ``seconds(ttft, tpot)``, what the objective
+    minimises of a stage or a link (the throughput objective: its decode time, the interval the
+    slowest one sets); ``lower(k, a, b)``, a lower bound on the seconds of layers ``[a, b)`` on
+    device ``k`` (one ``StageBound`` per kind of device); ``link(j, k)``, the hop's seconds."""
+    devices = topo.devices
+    bounds: dict = {}
+
+    def seconds(pred_ttft: float, pred_tpot: float) -> float:
+        if objective == "max":
+            return pred_tpot
+        return {"ttft": pred_ttft, "tpot": pred_tpot}.get(wl.objective, pred_ttft + wl.gen_len * pred_tpot)
+
+    def lower(k, a, b):
+        if kind[k] not in bounds:
+            bounds[kind[k]] = StageBound(spec, machines[k], wl)
+        return seconds(*bounds[kind[k]](a, b))
+
+    def link(j, k):
+        return seconds(*(topo.hop(devices[j], devices[k], hidden_bytes(spec, wl, ph))[1]
+                         for ph in ("prefill", "decode")))
+
+    return seconds, lower, link
 
 
 def _sized(spec, topo, wl, objective, split, stage_plan, alone) -> PipelinePlan:

@@ -7,10 +7,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from hetplan.compiler import CompileRequest, stage_solver
+from hetplan.compiler import CompileRequest, _workload, stage_solver
+from hetplan.errors import InfeasibleError
 from hetplan.hardware import PeerLink
 from hetplan.pipeline import plan_pipeline, stage_problem
-from hetplan.pipeline.compile import best_replicas
+from hetplan.pipeline.compile import best_batch, best_replicas, replicated
+from hetplan.pipeline.plan import pipeline_lower_bound
 from hetplan.pipeline.replicas import first_group, replica_counts, replicas_fit_dram
 from hetplan.pipeline.topology import Topology
 from hetplan.schema.pipeline import Pipeline
@@ -91,3 +93,73 @@ def test_replicas_on_one_node_share_its_dram():
     tight = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, memory_bytes=int(1.5 * cpu)))
     assert replicas_fit_dram(Topology.of(hw), 2, pp.stages)
     assert not replicas_fit_dram(Topology.of(tight), 2, pp.stages)
+
+
+def counting(solve):
+    """``solve``, counting its calls in ``.calls``."""
+    def wrapped(problem):
+        wrapped.calls += 1
+        return solve(problem)
+    wrapped.calls = 0
+    return wrapped
+
+
+@pytest.mark.parametrize("mib, unsolved", [(60, [2, 4]), (80, [2, 4]), (120, [4])])
+def test_replica_counts_ruled_out_by_their_bound_are_not_solved_and_the_choice_is_exhaustive(mib, unsolved):
+    # 8 layers of ~30 MiB on 4 GPUs of `mib` MiB: one GPU streams most of the model over its 16 GB/s
+    # link, four hold it resident. Exhaustive: every replica count solved in full, the best taken
+    # (the first strictly fewer seconds per sequence, in the order 1 pipeline, 2, 4 replicas).
+    spec = tiny_spec(n_layers=8, hidden=1024, intermediate=4096, n_heads=16, n_kv_heads=8, head_dim=64)
+    topo = Topology.of(gpus(*[mib / 1024] * 4))
+    whole = plan_pipeline(spec, topo, WL, SOLVE, objective="max")
+    candidates = [whole]
+    for r in replica_counts(topo):
+        pp = replicated(spec, topo, r, WL, SOLVE)
+        bound = pipeline_lower_bound(spec, first_group(topo, r), WL, "max")
+        assert bound <= pp.objective_s() * (1 + 1e-12)
+        candidates.append(pp)
+    want = min(candidates, key=lambda pp: pp.seconds_per_sequence())  # min keeps the first of equals
+    solve = counting(SOLVE)
+    best = best_replicas(spec, topo, whole, solve)
+    assert (best.replicas, best.seconds_per_sequence()) == (want.replicas, want.seconds_per_sequence())
+    assert [(s.first_layer, s.end_layer) for s in best.stages] == [(s.first_layer, s.end_layer) for s in want.stages]
+    # a ruled-out count is worse than the one taken, and costs no solve
+    for r in unsolved:
+        assert candidates[replica_counts(topo).index(r) + 1].seconds_per_sequence() > best.seconds_per_sequence()
+    if unsolved == replica_counts(topo):
+        assert solve.calls == 0
+    else:
+        assert solve.calls > 0
+
+
+@pytest.mark.parametrize("mib", [60, 120, 1024])
+def test_the_batch_search_takes_the_best_batch_of_every_one_solved_and_solves_no_batch_its_bound_rules_out(mib):
+    # exhaustive: every batch 1, 2, 4, 8 planned in full; the fewest seconds per sequence wins,
+    # the smallest batch of equals; a batch planned only where its bound is below the winner's
+    spec = tiny_spec(n_layers=8, hidden=1024, intermediate=4096, n_heads=16, n_kv_heads=8, head_dim=64)
+    topo = Topology.of(gpus(*[mib / 1024] * 4))
+    req = CompileRequest(model="tiny", hw="tiny", objective="throughput", batch=8, prompt_len=64, gen_len=16,
+                         prefill_chunk=64)
+    every = {}
+    for b in (1, 2, 4, 8):
+        try:
+            every[b] = plan_pipeline(spec, topo, _workload(req, b), SOLVE, objective="max")
+        except InfeasibleError:
+            break
+    want = min(every, key=lambda b: (every[b].seconds_per_sequence(), b))
+    solved = []
+
+    def solve(problem):
+        solved.append(problem.workload.batch)
+        return SOLVE(problem)
+
+    best, failure = best_batch(spec, topo, req, [1, 2, 4, 8], solve, "max")
+    assert failure is None or len(every) < 4
+    assert best.workload.batch == want
+    assert best.seconds_per_sequence() == every[want].seconds_per_sequence()
+    for b in every:
+        bound = pipeline_lower_bound(spec, topo, _workload(req, b), "max") / b
+        assert bound <= every[b].seconds_per_sequence() * (1 + 1e-12)
+        if b not in solved:  # ruled out: its bound, so its pipeline, is above the winner's
+            assert bound > best.seconds_per_sequence() and every[b].seconds_per_sequence() > best.seconds_per_sequence()
+    assert 8 in solved and set(solved) != set(every)  # at least one batch left unsolved

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hetplan.solvers.pipeline import best_split
+from hetplan.solvers.pipeline import best_split, split_lower_bound
 from hetplan.pipeline import pipeline_makespan_s
 
 
@@ -197,3 +197,25 @@ def test_llama_cpp_splits_layer_slots_by_cumulative_free_memory():
     # slot 0 (0 / 3) goes to the first device with any share; one with none gets no stage
     assert layer_stages(2, [1, 100, 1]) == ((0, 0, 1), (1, 1, 2))
     assert layer_stages(2, [0, 1]) == ((1, 0, 2),)
+
+
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(30))
+def test_the_split_lower_bound_is_brute_force_over_the_bounds(seed, objective):
+    # the cheapest split at the lower bounds: brute force over every split priced at the bounds,
+    # at most the cheapest split at the true prices, and equal to it when the bounds are exact
+    rng = random.Random(2000 + seed)
+    L, K = rng.randint(1, 7), rng.randint(1, 4)
+    stage, link = monotone_costs(rng, L, K)
+    shrink = {(k, a, b): rng.choice([0.0, 0.5, 0.9, 1.0]) for k in range(K) for a in range(L)
+              for b in range(a + 1, L + 1)}
+
+    def lower(k, a, b):
+        f = shrink[k, a, b]
+        return 0.0 if f == 0.0 else stage(k, a, b) * f
+
+    got = split_lower_bound(L, K, link, objective, lower)
+    assert got == pytest.approx(brute_force(L, K, lower, link, objective), rel=1e-12)
+    assert got <= brute_force(L, K, stage, link, objective) * (1 + 1e-12)
+    assert split_lower_bound(L, K, link, objective, stage) == pytest.approx(brute_force(L, K, stage, link, objective),
+                                                                            rel=1e-12)
