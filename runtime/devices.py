@@ -66,18 +66,19 @@ HUGE_PAGE_BYTES = 2 << 20
 
 def host_empty(nbytes: int) -> torch.Tensor:
     """A uint8 [nbytes] tensor over fresh anonymous memory whose whole 2 MiB pieces are backed by
-    transparent huge pages where the kernel grants them (``MADV_HUGEPAGE`` before the first
-    touch, the start aligned to 2 MiB). Weights are streamed whole every decode step: in 4 KiB
+    transparent huge pages where the kernel grants them (``MADV_HUGEPAGE`` on those pieces alone,
+    before the first touch, the start aligned to 2 MiB; the tail keeps 4 KiB pages). Weights are streamed whole every decode step: in 4 KiB
     pages each page costs a TLB miss and restarts the hardware prefetcher, which on a 2-core
     EPYC took 10-15 % of a quantised GEMV's DRAM stream (bench/RESULTS.md). The mapping reserves
     up to 2 MiB more address space than asked; pages never touched are never resident. The
     tensor keeps the mapping alive."""
     size = page_round(max(1, nbytes)) + HUGE_PAGE_BYTES
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     skip = -flat.data_ptr() % HUGE_PAGE_BYTES
+    whole = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if hasattr(mmap, "MADV_HUGEPAGE") and whole:   # the whole 2 MiB pieces only: a huge page under
+        buf.madvise(mmap.MADV_HUGEPAGE, skip, whole)  # the tail would be resident past the buffer's end
     return flat[skip:skip + nbytes]
 
 

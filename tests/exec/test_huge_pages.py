@@ -49,3 +49,10 @@ def test_large_cpu_allocations_use_huge_pages_and_the_switch_turns_them_off(monk
     plain = devices.empty("cpu", (HUGE_MIN_BYTES // 4,), torch.float32, "a weight")
     assert "hg" not in vm_flags(plain.data_ptr())
     assert devices.ledgers["cpu"].used_bytes == 2 * HUGE_MIN_BYTES + 4096
+
+
+def test_only_whole_huge_pages_are_advised_so_the_tail_adds_nothing_resident():
+    n = 2 * HUGE_PAGE_BYTES + 4096
+    t = host_empty(n)
+    assert "hg" in vm_flags(t.data_ptr()) and "hg" in vm_flags(t.data_ptr() + 2 * HUGE_PAGE_BYTES - 1)
+    assert "hg" not in vm_flags(t.data_ptr() + 2 * HUGE_PAGE_BYTES)
