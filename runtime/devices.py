@@ -195,14 +195,11 @@ class Devices:
         """A counted allocation in ``tier`` (pinned host memory when ``pinned`` and a GPU copies it).
         ``charged_bytes``: what the tier's ledger counts, when not the tensor's own size (a buffer
         the emulated GPU holds in fp32 but a CUDA GPU in bf16)."""
-        if charged_bytes is None:
-            charged_bytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        self.ledgers[tier].reserve(charged_bytes, what)
+        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        self.ledgers[tier].reserve(n if charged_bytes is None else charged_bytes, what)
         if tier == "cpu" and pinned and self.cuda:
-            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
             return self.pinned.empty(n, what).view(dtype).view(shape)
         device = self.device(tier)
-        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         if device.type == "cpu" and n >= HUGE_MIN_BYTES and switch("HETPLAN_HUGE_PAGES", True):
             return host_empty(n).view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, device=device)

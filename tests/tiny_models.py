@@ -58,3 +58,19 @@ def saved_moe_model(families: dict, family: str, tmp_path_factory):
     directory = tmp_path_factory.mktemp(family)
     model.save_pretrained(directory)
     return model, directory
+
+
+def greedy_reference(model, ids: torch.Tensor, gen_len: int) -> dict:
+    """transformers on ``ids`` alone, greedy: prefill logits [B, P, V], the logits of each of
+    ``gen_len`` steps [G, B, V] and the generated tokens; refuses a prompt whose greedy choices
+    come near a tie."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model.generate(ids, max_new_tokens=gen_len, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+    steps = torch.stack(out.logits)
+    top2 = steps.topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "prompt too close to a greedy tie"
+    return {"prefill": full, "steps": steps, "tokens": out.sequences[:, ids.shape[1]:].tolist()}

@@ -143,13 +143,13 @@ class DenseBackend:
         w, s, x = c.weights, self.spec, c.inputs["x"]
         b, n = x.shape[0], x.shape[1]
         h = self._norm(x, w)
+        roped = False   # q and k already rotated, in place in the fused projection
         if "qkv_t" in w:
             q, k, v = linear_t(h.view(b * n, -1), w["qkv_t"]).add_(w["qkv_bias"]).split(s.hidden, dim=-1)
         elif "qkv" in w:
             kv_dim = s.n_kv_heads * s.head_dim
             qkv = linear(h, w["qkv"], w.get("qkv_bias"))
-            if self.rope_inv_freq is not None and not s.qk_norm and self._rope_in_place(qkv, c):
-                return self._split_heads(qkv, b, n)
+            roped = self.rope_inv_freq is not None and not s.qk_norm and self._rope_in_place(qkv, c)
             q, k, v = qkv.split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
         else:
             q, k, v = (linear(h, w[p], w.get(f"{p}_bias")) for p in ("q", "k", "v"))
@@ -158,7 +158,7 @@ class DenseBackend:
         v = v.reshape(b, n, s.n_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = _rms_norm(q, w["q_norm"], s.norm_eps), _rms_norm(k, w["k_norm"], s.norm_eps)
-        if self.rope_inv_freq is not None:
+        if self.rope_inv_freq is not None and not roped:
             cos, sin = self._tables[c.device]
             cos = cos[c.step.start:c.step.start + n].view(1, n, 1, -1)
             sin = sin[c.step.start:c.step.start + n].view(1, n, 1, -1)
@@ -178,13 +178,6 @@ class DenseBackend:
         s, n = self.spec, qkv.shape[1]
         mod.rope_(qkv.view(-1, qkv.shape[-1]), cos, sin, n, c.step.start, s.n_heads + s.n_kv_heads, s.head_dim)
         return True
-
-    def _split_heads(self, qkv: torch.Tensor, b: int, n: int) -> dict:
-        s = self.spec
-        kv_dim = s.n_kv_heads * s.head_dim
-        q, k, v = qkv.split([s.n_heads * s.head_dim, kv_dim, kv_dim], -1)
-        return {"q": q.reshape(b, n, s.n_heads, s.head_dim), "k": k.reshape(b, n, s.n_kv_heads, s.head_dim),
-                "v": v.reshape(b, n, s.n_kv_heads, s.head_dim)}
 
     def _attn_core(self, c: StageCall) -> dict:
         q, k, v = c.inputs["q"], c.inputs["k"], c.inputs["v"]

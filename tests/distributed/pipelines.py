@@ -19,6 +19,7 @@ from hetplan.pipeline.plan import micro_batch_count
 from hetplan.pipeline.topology import Topology
 from hetplan.plan import Plan, load_plan
 from hetplan.workload import Workload
+from tests.tiny_models import greedy_reference as reference  # noqa: F401  (the pipeline tests' transformers run)
 
 N_LAYERS, VOCAB = 4, 128
 
@@ -95,18 +96,3 @@ def _written(pp: PipelinePlan, out_path) -> Plan:
 def tiers(plan: Plan) -> set:
     """What the stages' own plans hold: ``gpu``, ``stream``, ``cpu`` weights of layer blocks."""
     return {p["weights"] for st in plan.pipeline["stages"] for p in st["plan"]["placement"] if p["layer"] is not None}
-
-
-def reference(model, ids: torch.Tensor, gen_len: int) -> dict:
-    """transformers on ``ids`` alone, greedy: prefill logits [B, P, V], decode logits [G, B, V]
-    and the generated tokens; refuses a prompt whose greedy choices come near a tie."""
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model.generate(ids, max_new_tokens=gen_len, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    steps = torch.stack(out.logits)
-    top2 = steps.topk(2, dim=-1).values
-    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "prompt too close to a greedy tie"
-    return {"prefill": full, "steps": steps, "tokens": out.sequences[:, ids.shape[1]:].tolist()}

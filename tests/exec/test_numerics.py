@@ -22,7 +22,7 @@ from hetplan.plan import Decision
 from hetplan.problem import build_problem
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.workload import Workload
-from tests.tiny_models import TINY_GPU_NODE
+from tests.tiny_models import TINY_GPU_NODE, greedy_reference
 
 PROMPT_LEN, GEN_LEN, TOL = 8, 32, 1e-4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gpt2")
@@ -67,16 +67,7 @@ def save_tiny_model(family: str, directory) -> transformers.PreTrainedModel:
 
 def reference(model, ids: torch.Tensor) -> dict:
     """transformers' prefill logits [B, P, V], per-step generate logits and greedy tokens."""
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model.generate(ids, max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    steps = torch.stack(out.logits)                                  # [G, B, V]
-    top2 = steps.topk(2, dim=-1).values
-    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "fixture too close to a greedy tie"
-    return {"prefill": full, "steps": steps, "tokens": out.sequences[:, ids.shape[1]:].tolist()}
+    return greedy_reference(model, ids, GEN_LEN)
 
 
 @pytest.fixture(scope="module")

@@ -92,12 +92,12 @@ inline QX quantise_x(const float* x, int64_t M, int64_t K) {
   return q;
 }
 
-// Block b of row n as 32 signed bytes, its scale dw and offset c (zeros for b past the row).
-// Bytes past K hold whatever the row holds (or 0): x is 0 there, so they add nothing.
+// Block b of row n as 32 signed bytes and its scale dw (zeros for b past the row); q4_k_m's
+// offset c is add_offsets'. Bytes past K hold whatever the row holds (or 0): x is 0 there, so
+// they add nothing.
 template <int FMT>
-inline __m256i wblock(const Rows& r, int64_t n, int64_t b, float& dw, float& c) {
+inline __m256i wblock(const Rows& r, int64_t n, int64_t b, float& dw) {
   const int64_t nb = (r.K + 31) / 32;
-  c = 0.f;
   if (b >= nb) { dw = 0.f; return _mm256_setzero_si256(); }
   const int64_t k0 = 32 * b;
   const __m128i low4 = _mm_set1_epi8(15);
@@ -123,9 +123,7 @@ inline __m256i wblock(const Rows& r, int64_t n, int64_t b, float& dw, float& c) 
     dw = *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
     return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
   }
-  const float dmin = *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0] + 4 * (b / 8));
   dw = h2f_fast(r.p[1] + n * r.stride[1] + 2 * b);
-  c = -dmin * static_cast<float>(r.p[2][n * r.stride[2] + b]);
   return nib;
 }
 
@@ -143,9 +141,9 @@ void unpack_panel(const Rows& r, int64_t n0, int64_t rows, int64_t np, Panel& pn
   const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t p = 0; p < np; ++p) {
-      float d0, c0, d1, c1;
-      const __m256i a = wblock<FMT>(r, n0 + i, 2 * p, d0, c0);
-      const __m256i b = wblock<FMT>(r, n0 + i, 2 * p + 1, d1, c1);
+      float d0, d1;
+      const __m256i a = wblock<FMT>(r, n0 + i, 2 * p, d0);
+      const __m256i b = wblock<FMT>(r, n0 + i, 2 * p + 1, d1);
       const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
       const int64_t at = i * np + p;
       pn.w[at] = w;

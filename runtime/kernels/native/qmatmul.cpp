@@ -165,6 +165,13 @@ inline void over_segments(const std::vector<Seg>& segs, int64_t a, int64_t e, F 
 }
 
 #ifdef HETPLAN_AVX512
+// 16 values from p as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 inline float h2f_fast(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -212,17 +219,17 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
       w1 = _mm512_fmsub_ps(vd, c, vm);
     }
   } else if (FMT == BF16) {
-    const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
-    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
-    w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))), 16));
+    const auto* w = reinterpret_cast<const c10::BFloat16*>(r.p[0] + n * r.stride[0]) + k0;
+    w0 = load16(w);
+    w1 = load16(w + 16);
   } else if (FMT == FP32) {
     const float* w = reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]) + k0;
-    w0 = _mm512_loadu_ps(w);
-    w1 = _mm512_loadu_ps(w + 16);
+    w0 = load16(w);
+    w1 = load16(w + 16);
   } else {
-    const uint8_t* w = r.p[0] + n * r.stride[0] + 2 * k0;
-    w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
+    const auto* w = reinterpret_cast<const c10::Half*>(r.p[0] + n * r.stride[0]) + k0;
+    w0 = load16(w);
+    w1 = load16(w + 16);
   }
 }
 #endif

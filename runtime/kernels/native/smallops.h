@@ -98,14 +98,6 @@ torch::Tensor silu_mul(torch::Tensor g) {
   return out;
 }
 
-#ifdef HETPLAN_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-#endif
-
 // sum_i a[i] * b[i] in fp32 (16 lanes at a time where AVX-512 is and n allows).
 template <class T>
 inline float dot_f(const float* a, const T* b, int64_t n) {
