@@ -87,6 +87,17 @@ HUGE_MIN_BYTES = 4 * HUGE_PAGE_BYTES
 allocator: a huge page cannot back less than 2 MiB)."""
 
 
+def placed_empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor in memory of the kind the runtime places weights and caches in:
+    on the host from ``HUGE_MIN_BYTES`` up, a huge-page mapping (``host_empty``; not with
+    ``HETPLAN_HUGE_PAGES=0``); otherwise torch's allocator. The profiler measures kernels on it
+    too, so that a profile prices the pages a run reads."""
+    n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and n >= HUGE_MIN_BYTES and switch("HETPLAN_HUGE_PAGES", True):
+        return host_empty(n).view(dtype).view(shape)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def page_round(nbytes: int) -> int:
     """Bytes a registration of ``nbytes`` locks: whole pages, ceil(nbytes / page) * page."""
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
@@ -199,10 +210,7 @@ class Devices:
         self.ledgers[tier].reserve(n if charged_bytes is None else charged_bytes, what)
         if tier == "cpu" and pinned and self.cuda:
             return self.pinned.empty(n, what).view(dtype).view(shape)
-        device = self.device(tier)
-        if device.type == "cpu" and n >= HUGE_MIN_BYTES and switch("HETPLAN_HUGE_PAGES", True):
-            return host_empty(n).view(dtype).view(shape)
-        return torch.empty(shape, dtype=dtype, device=device)
+        return placed_empty(shape, dtype, self.device(tier))
 
     @property
     def pinned_bytes(self) -> int:

@@ -32,6 +32,7 @@ from hetplan.graph import block_graph
 from hetplan.model import ModelSpec
 from hetplan.profile.table import linear_shape, shape_key
 from hetplan.dtypes import row_bytes
+from hetplan.runtime.devices import placed_empty
 from hetplan.runtime.kernels import quant
 from hetplan.runtime.kernels.linear import PackedLinear, linear
 from hetplan.runtime.profiler.machine import cache_bytes
@@ -73,7 +74,13 @@ class Kernel:
 
 
 def _rand(shape, dtype, device, scale=0.05) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device).uniform_(-scale, scale)
+    """Uniform in [-scale, scale), in memory placed as the runtime places weights and caches."""
+    return placed_empty(tuple(shape), dtype, torch.device(device)).uniform_(-scale, scale)
+
+
+def _placed_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in memory placed as the runtime places weights (``placed_empty``)."""
+    return placed_empty(tuple(t.shape), t.dtype, t.device).copy_(t)
 
 
 def copies(device: str, nbytes: float) -> int:
@@ -130,7 +137,7 @@ def _grid_weights(dtype: str, n: int, k: int, dev, count: int) -> list:
     if dtype not in QUANTISED:
         return [_rand((n, k), TORCH_DTYPES[dtype], dev) for _ in range(count)]
     packed = quant.quantise(dtype, _rand((n, k), torch.float32, dev))
-    return [PackedLinear(dtype, k, (quant.split(dtype, packed.clone(), (n, k)),)) for _ in range(count)]
+    return [PackedLinear(dtype, k, (quant.split(dtype, _placed_copy(packed), (n, k)),)) for _ in range(count)]
 
 
 def attention_kernels(device: str, dtype: str) -> list[Kernel]:
@@ -251,7 +258,7 @@ def stage_kernels(spec: ModelSpec, device: str) -> list[Kernel]:
 
 def _initial(t, dt, dev) -> torch.Tensor:
     """A block tensor's random value (norm weights 1)."""
-    return torch.ones(t.shape, dtype=dt, device=dev) if "norm" in t.local else _rand(t.shape, dt, dev)
+    return placed_empty(tuple(t.shape), dt, dev).fill_(1.0) if "norm" in t.local else _rand(t.shape, dt, dev)
 
 
 def _packed_blocks(fmt: str, specs: list, dt, dev, fused: dict, expert_of, device: str) -> list:
@@ -261,7 +268,7 @@ def _packed_blocks(fmt: str, specs: list, dt, dev, fused: dict, expert_of, devic
     from hetplan.runtime.kernels.packed import PackedView, packed_layout, views
 
     layout = packed_layout(fmt, specs, dt, expert_of)
-    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
+    flat = placed_empty((layout.nbytes,), torch.uint8, dev)
     linears = [t for t in specs if quant.quantises(t.local, t.shape)]
     others = [t for t in specs if not quant.quantises(t.local, t.shape)]
     for (local, off, shape, n), t in zip(layout.packed, linears):
@@ -271,7 +278,7 @@ def _packed_blocks(fmt: str, specs: list, dt, dev, fused: dict, expert_of, devic
         raw[t.local].copy_(_initial(t, layout.raw_dtype, dev))
     out = []
     for i in range(copies(device, layout.nbytes)):
-        mine = flat if i == 0 else flat.clone()
+        mine = flat if i == 0 else _placed_copy(flat)
         buffer = torch.empty(layout.buffer_numel, dtype=dt, device=dev)
         out.append(PackedView(fmt, mine, layout, buffer, fused).materialise())
     return out

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from hetplan.runtime import devices as devices_module
 from hetplan.runtime.devices import HUGE_MIN_BYTES, HUGE_PAGE_BYTES, Devices, host_empty
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
@@ -46,9 +47,16 @@ def test_large_cpu_allocations_use_huge_pages_and_the_switch_turns_them_off(monk
     small = devices.empty("cpu", (1024,), torch.float32, "a small cache")
     assert "hg" not in vm_flags(small.data_ptr())
     monkeypatch.setenv("HETPLAN_HUGE_PAGES", "0")
+    # torch's own allocator may advise huge pages too (THP_MEM_ALLOC_ENABLE, which the CLI sets
+    # and torch reads once per process), so the switch is seen in which allocator was used
+    made = []
+    monkeypatch.setattr(devices_module, "host_empty", lambda n: made.append(n) or host_empty(n))
     plain = devices.empty("cpu", (HUGE_MIN_BYTES // 4,), torch.float32, "a weight")
-    assert "hg" not in vm_flags(plain.data_ptr())
-    assert devices.ledgers["cpu"].used_bytes == 2 * HUGE_MIN_BYTES + 4096
+    assert made == [] and plain.numel() == HUGE_MIN_BYTES // 4
+    monkeypatch.delenv("HETPLAN_HUGE_PAGES")
+    devices.empty("cpu", (HUGE_MIN_BYTES // 4,), torch.float32, "a weight")
+    assert made == [HUGE_MIN_BYTES]
+    assert devices.ledgers["cpu"].used_bytes == 3 * HUGE_MIN_BYTES + 4096
 
 
 def test_only_whole_huge_pages_are_advised_so_the_tail_adds_nothing_resident():
@@ -56,3 +64,12 @@ def test_only_whole_huge_pages_are_advised_so_the_tail_adds_nothing_resident():
     t = host_empty(n)
     assert "hg" in vm_flags(t.data_ptr()) and "hg" in vm_flags(t.data_ptr() + 2 * HUGE_PAGE_BYTES - 1)
     assert "hg" not in vm_flags(t.data_ptr() + 2 * HUGE_PAGE_BYTES)
+
+
+def test_the_profiler_measures_weights_in_memory_placed_as_a_run_places_them():
+    from hetplan.runtime.profiler import kernels
+    w = kernels._rand((HUGE_MIN_BYTES // 4,), torch.float32, "cpu")
+    copy = kernels._placed_copy(w)
+    for t in (w, copy):
+        assert t.data_ptr() % HUGE_PAGE_BYTES == 0 and "hg" in vm_flags(t.data_ptr())
+    assert torch.equal(copy, w) and copy.data_ptr() != w.data_ptr()
