@@ -68,7 +68,7 @@ def test_int8_within_the_activation_rounding_bound(int8, fmt, shape, m):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(40, 100), (19, 520), (5, 17)])
-@pytest.mark.parametrize("m", [3, 13])
+@pytest.mark.parametrize("m", [3, 10, 11, 13])
 def test_int8_is_exact_where_x_is_on_its_grid(int8, fmt, shape, m):
     """x = 2^e * integers, each block's largest magnitude 127: dx = 2^e, qx = the integers."""
     k = shape[1]
