@@ -9,8 +9,9 @@ otherwise from ceilings no current part reaches:
   channels than that, and one core loads at most 2 x 64 bytes per cycle at 6 GHz;
 - bytes touched by one op per second <= cores * 768 GB/s on the CPU (caches included),
   50 TB/s on a GPU (on-chip L2);
-- CPU FLOP/s <= cores * 6 GHz * (64 fp32 | 2048 bf16/fp16) per cycle (two AVX-512 FMAs;
-  AMX tiles); GPU FLOP/s <= 10 PFLOP/s;
+- CPU FLOP/s <= cores * 6 GHz * (64 fp32 | 2048 bf16/fp16 | 4096 for the quantised formats)
+  per cycle (two AVX-512 FMAs; AMX tiles; AMX int8 tiles, which the quantised formats' kernels
+  may multiply in: two AVX-512 VNNI dot products already give 256); GPU FLOP/s <= 10 PFLOP/s;
 - GPU memory <= its measured peak, else 10 TB/s; links <= the PCIe link's peak
   (GT/s * lanes * 128/130 / 8), else 1 TB/s.
 
@@ -26,10 +27,12 @@ import os
 import platform
 from pathlib import Path
 
+from hetplan.dtypes import QUANTISED
 from hetplan.units import format_bytes
 
 CORE_BYTES_PER_S = 768e9
-CORE_FLOPS_PER_S = {"fp32": 6e9 * 64, "bf16": 6e9 * 2048, "fp16": 6e9 * 2048}
+CORE_FLOPS_PER_S = {"fp32": 6e9 * 64, "bf16": 6e9 * 2048, "fp16": 6e9 * 2048,
+                    **{q: 6e9 * 4096 for q in QUANTISED}}
 DRAM_CEILING_BYTES_PER_S = 4e12
 GPU_MEM_CEILING_BYTES_PER_S = 1e13
 GPU_ONCHIP_CEILING_BYTES_PER_S = 5e13

@@ -58,6 +58,22 @@ def test_a_time_faster_than_the_cpu_can_compute_is_refused(tmp_path):
         load_profile(p, check_machine=False)
 
 
+def test_quantised_weights_are_held_to_the_int8_ceiling_not_fp32s(tmp_path):
+    # A q4_0 GEMM multiplied in int8 (AVX-512 VNNI) at 1 TFLOP/s on two cores is above fp32's
+    # 768 GFLOP/s but possible; 50 TFLOP/s is above 2 cores * 6 GHz * 4096 = 49.2 TFLOP/s.
+    assert physical_limits(TWO_CORES)["cpu.flops.q4_0"] == pytest.approx(2 * 6e9 * 4096)
+    for flops, ok in ((1e12, True), (5e13, False)):
+        p = tmp_path / "p.json"
+        p.write_text(json.dumps({"schema_version": 1, "machine": TWO_CORES, "entries": [
+            {"device": "cpu", "op": "mlp", "dtype": "q4_0", "shape": "d64_f128_silu_gated",
+             "points": [{"x": 512, "seconds": 1.0, "flops": flops, "bytes": 1.0}]}]}))
+        if ok:
+            load_profile(p, check_machine=False)
+        else:
+            with pytest.raises(HetplanError, match="q4_0.*FLOP/s is above the physical peak 4.915e"):
+                load_profile(p, check_machine=False)
+
+
 def test_profiler_refuses_to_write_impossible_measurements(tmp_path, monkeypatch):
     from hetplan.runtime import profiler
 
