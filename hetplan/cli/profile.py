@@ -181,6 +181,25 @@ def command(out, budget, models, weight_dtypes, trace, profile_path, plan_path):
     if load is not None and load >= 1.0:
         click.echo(f"note: the load average was {load:g} when profiling started: other work was using "
                    f"the CPUs, and the times measured include its interference", err=True)
+    moved = drift_note(p.get("cpu.mem_bandwidth"), info.get("cpu_read_end_bytes_per_s"))
+    if moved:
+        click.echo(moved, err=True)
+
+
+DRIFT_TOLERANCE = 0.2
+"""How far the CPU's read bandwidth may move between the start and the end of a profile before
+the profile says that the machine's speed changed under it."""
+
+
+def drift_note(start: float | None, end: float | None) -> str | None:
+    """A note when the streaming read measured at the end of the profile differs from the one at
+    its start by more than ``DRIFT_TOLERANCE`` (None otherwise, or when either is missing)."""
+    if not start or not end or abs(end / start - 1.0) <= DRIFT_TOLERANCE:
+        return None
+    return (f"note: the CPU's streaming read was {start / 1e9:.1f} GB/s when profiling started and {end / 1e9:.1f} "
+            f"GB/s at the end: the machine's speed changed while it was measured (other work on its cores or "
+            f"memory, a shared host), so plans priced by this profile may be off by as much; re-run "
+            f"`hetplan profile` when the machine is quiet")
 
 
 class _Steps:

@@ -14,7 +14,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from hetplan.profile.table import DEVICES, OPS, SCHEMA_VERSION
-from hetplan.schema.fields import BYTES_MAX, FLOPS_MAX, SECONDS_MAX, Bytes, Strict, count, quantity
+from hetplan.schema.fields import (BYTES_MAX, FLOPS_MAX, MEM_BYTES_PER_S_MAX, SECONDS_MAX, Bytes, Strict, count,
+                                   quantity)
 
 Text = Annotated[str, Field(max_length=500)]
 Seconds = Annotated[float, Field(le=SECONDS_MAX, json_schema_extra={"si": "s", "range": f"<= {SECONDS_MAX:g}"})]
@@ -80,6 +81,8 @@ class Info(Strict):
         None, description="node.yaml path -> measured SI value")
     task_overhead_s: TaskOverhead | None = Field(None, description="added to measured points")
     load_average_before: quantity("load", 1e6) | None = Field(None, description="1-minute load average")
+    cpu_read_end_bytes_per_s: quantity("bytes/s", MEM_BYTES_PER_S_MAX) | None = Field(
+        None, description="the CPU's streaming read measured again at the end (against cpu.mem_bandwidth: drift)")
     models: list[Text] | None = Field(None, description="models whose stages were measured")
 
 

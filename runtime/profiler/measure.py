@@ -134,6 +134,7 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
             # not fit in their group's share.
             left_over = _run_kernels(kernels, rates, overhead, entries, budget, tick, final=False)
             _run_kernels(left_over, rates, overhead, entries, budget, tick, final=True)
+    drift = _read_again(rates, budget)
     _grid_flops_peaks(entries, peaks)
     table = ProfileTable(entries={k: Entry(*k, tuple(sorted(v.values(), key=lambda p: p.x))) for k, v in entries.items()},
                          machine=machine, transfers=transfers,
@@ -141,6 +142,7 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
                                "budget_s": budget.seconds, "elapsed_s": round(budget.elapsed_s(), 3),
                                "skipped": list(budget.skipped), "peaks": dict(peaks),
                                "task_overhead_s": overhead, "load_average_before": load_before,
+                               "cpu_read_end_bytes_per_s": drift,
                                "models": [s.name for s in specs]})
     return ProfileResult(peaks=peaks, machine=machine, table=table)
 
@@ -199,6 +201,16 @@ def _read_s(nbytes: int, dev: str, sync, share_s: float) -> float:
     """Median time of one streaming read (a sum) over a buffer of ``nbytes``."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     return time_call(lambda: buf.sum(), sync, share_s).median_s
+
+
+def _read_again(rates: dict, budget: Budget) -> float | None:
+    """The CPU's streaming read measured again once every kernel is timed (None when the budget
+    has no room left): against the first reading, how much the machine's speed moved while the
+    profile ran (another tenant's load on a shared host moves both)."""
+    nbytes = min(1 << 30, max(256 << 20, 8 * cache_bytes("cpu")))
+    if budget.left_s() < 1.0 or ("cpu", "mem") not in rates:
+        return None
+    return nbytes / _read_s(nbytes, "cpu", _sync("cpu"), max(0.01, min(0.5, budget.seconds * 0.01)))
 
 
 def _probe_rate(dt, dev: str, sync, n: int) -> float:

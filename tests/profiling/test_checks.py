@@ -150,3 +150,12 @@ def test_budget_is_read_in_seconds_or_minutes_and_nonsense_is_refused(capsys):
     for bad in ("soon", "0s", "-5s"):
         assert main(["profile", "--budget", bad]) == 2
         assert "--budget: cannot read" in capsys.readouterr().err
+
+
+def test_a_profile_whose_read_bandwidth_moved_says_so():
+    from hetplan.cli.profile import drift_note
+    assert drift_note(40e9, 44e9) is None and drift_note(40e9, 32.5e9) is None    # within 20 %
+    assert drift_note(40e9, None) is None and drift_note(None, 40e9) is None
+    note = drift_note(40e9, 25e9)
+    assert note.startswith("note: the CPU's streaming read was 40.0 GB/s when profiling started and 25.0 GB/s")
+    assert "re-run `hetplan profile`" in note and drift_note(20e9, 30e9) is not None
