@@ -63,6 +63,8 @@ class PipelineEngine(Engine):
         self._closed = False
         self.children = []
         """The stage processes this process started (``launch``), watched while it serves."""
+        self.overlapped_steps = 0
+        """Steps issued while another group's step was in flight (stages computing at once)."""
         self.busy_s = 0.0
         """Seconds stage 0 computed its blocks."""
         self.stage_busy_s: list | None = None
@@ -103,6 +105,8 @@ class PipelineEngine(Engine):
         self.peers.send(x.to(self.wire_dtype), 1, "sending the hidden state to")
         logits = self.peers.post((len(plan), self.model.spec.vocab), torch.float32, self.stages - 1,
                                  "receiving the logits from")
+        if any(f is not None for f in self.scheduler.in_flight):
+            self.overlapped_steps += 1
         self.scheduler.in_flight[g] = (plan, logits)
 
     def _collect(self, g: int) -> None:
