@@ -25,7 +25,8 @@ lacks or too small, not enough memory) stops every process at once, each with on
 its stage. ``micro_batches`` groups of the plan's batch flow through each replica's stages
 (``flow``; default ``worker.default_micro_batches``). The rendezvous and every message wait at
 most ``timeout_s`` (``--dist-timeout``). Intra-op threads are shared out: ``cores // processes``
-per spawned process.
+per spawned process. ``hetplan serve``'s pipeline (``hetplan.runtime.serve.pipeline.launch``)
+starts its processes with the same pieces (``ready``, ``as_process``, the torchrun variables).
 """
 
 from __future__ import annotations

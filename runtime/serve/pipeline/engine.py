@@ -112,7 +112,7 @@ class PipelineEngine(Engine):
     def _collect(self, g: int) -> None:
         plan, incoming = self.scheduler.in_flight[g]
         self.scheduler.in_flight[g] = None
-        logits = incoming.wait()                               # [S, V] fp32
+        logits = incoming.wait().cpu()                         # [S, V] fp32
         now = time.perf_counter()
         for (req, n), row in zip(plan, logits):
             if req.state == "finished":                        # cancelled while its step was in flight
