@@ -2,8 +2,8 @@
 stage) or under torchrun (one command per stage, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT). It
 says it serves a pipeline, answers, and Ctrl-C stops every process; a stage process killed while
 idle or with a request in flight ends the requests with an error, and the server says one line
-and exits 2 within seconds, every other process with it; replicas of a pipeline are refused in
-one line."""
+and exits 2 within seconds, every other process with it; replicas of a pipeline, and a GPU tier
+without a block for each group of requests, are refused in one line."""
 
 from __future__ import annotations
 
@@ -66,6 +66,18 @@ def started(lines: queue.Queue, seen: list) -> str:
     raise AssertionError("the server did not start: " + "".join(seen))
 
 
+def listening(port: int) -> None:
+    """Wait until the server answers /health (it prints its startup line just before it listens)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError(f"nothing answers on port {port}")
+
+
 def rest(lines: queue.Queue, seen: list) -> str:
     return "".join(seen) + "".join(iter(lambda: lines.get(timeout=60) or "", ""))
 
@@ -95,6 +107,7 @@ def test_hetplan_serve_runs_a_pipeline_plan_and_ctrl_c_stops_every_process(two_s
     try:
         line = started(lines, seen)
         assert "as a pipeline of 2 stages, one process each" in line and "2 groups in flight" in line
+        listening(port)
         (stage_1,) = stage_processes(proc.pid)
         p = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(3)).tolist()
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
@@ -147,6 +160,7 @@ def test_under_torchrun_a_stage_killed_mid_request_ends_it_with_an_error_and_eve
     try:
         line = started(lines, seen)
         assert "as a pipeline of 2 stages" in line
+        listening(port)
         procs[1].send_signal(signal.SIGSTOP)
         answer = {}
 
@@ -186,3 +200,14 @@ def test_replicas_of_a_pipeline_are_refused_in_one_line(llama_files, tmp_path):
                            f"hetplan serve runs one pipeline;")
     assert f"`hetplan exec {path}`" in line
     assert "Traceback" not in out.stderr and "hetplan serve:" not in out.stderr
+
+
+def test_a_gpu_tier_without_a_block_for_each_group_is_refused_in_one_line(two_stages):
+    plan_path, directory, _ = two_stages
+    out = subprocess.run([sys.executable, "-m", "hetplan", "serve", str(plan_path), "--weights", directory,
+                          "--port", "0", "--emulate", "--gpu-blocks", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    (line,) = errors(out.stderr)
+    assert line == ("hetplan: error: --gpu-blocks 1: a pipeline of 2 stages serves 2 groups of requests at once, each "
+                    "with its own share of the GPU tier's blocks; give at least 2")
+    assert "Traceback" not in out.stderr

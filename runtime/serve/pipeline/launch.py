@@ -23,6 +23,7 @@ from hetplan.runtime.distributed.peers import leave
 from hetplan.runtime.distributed.ranks import Ranks
 from hetplan.runtime.distributed.worker import stage_device, wire_dtype
 from hetplan.runtime.serve.pipeline.engine import PipelineEngine
+from hetplan.runtime.serve.pipeline.groups import pool_blocks
 from hetplan.runtime.serve.pipeline.stage import StagePart, serve_stage
 from hetplan.runtime.session import RunOptions
 
@@ -46,6 +47,7 @@ def start_engine(plan, weights: str, settings, emulate: bool | None = None, seed
     ranks = Ranks.of(plan.pipeline)
     refuse_replicas(plan, "plan")
     world = ranks.world
+    pool_blocks(settings, world)   # a pool too small for a group per stage: refused before any process starts
     opts = RunOptions(weights=weights, seed=seed, emulate=emulate)
     children = []
     if under_torchrun():
