@@ -1,7 +1,8 @@
 """``hetplan serve``: answer OpenAI-style requests for a plan's model over HTTP.
 
 The engine's sizes come from the plan (``hetplan.runtime.serve.settings``) unless a flag sets
-them. Needs the runtime (torch) and the ``serve`` extra (starlette, uvicorn).
+them. A plan with a pipeline is served by one process per stage
+(``hetplan.runtime.serve.pipeline``); replicas of a pipeline are refused. Needs the runtime (torch) and the ``serve`` extra (starlette, uvicorn).
 """
 
 from __future__ import annotations
@@ -10,18 +11,15 @@ import click
 
 from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
+from hetplan.pipeline.record import whole_model
 from hetplan.plan import load_plan
 from hetplan.progress import quiet, step
 
 
-def refuse_pipeline(plan, plan_path: str) -> None:
-    """A plan over several devices is not served: its main part is its first stage alone."""
+def pipelined(plan) -> bool:
+    """Whether the plan runs over several devices (a pipeline of stages, or replicas of one)."""
     pp = plan.pipeline
-    if pp and (len(pp.get("stages", [])) > 1 or (pp.get("replicas") or 1) > 1):
-        what = f"{len(pp['stages'])} pipeline stage(s)" + (f" x {pp['replicas']} replicas" if pp.get("replicas") else "")
-        raise HetplanError(f"{plan_path}: the plan runs over several devices ({what}), and hetplan serve runs a "
-                           f"plan on one GPU only; compile it for serving with a node of one GPU (not a cluster "
-                           f"or a multi-GPU node), or run the pipeline with `hetplan exec {plan_path}`")
+    return bool(pp) and (len(pp.get("stages", [])) > 1 or (pp.get("replicas") or 1) > 1)
 
 
 def _int(help_text: str):
@@ -45,11 +43,17 @@ def _int(help_text: str):
 @click.option("--cpu-attention/--no-cpu-attention", default=None,
               help="Requests swapped out to DRAM keep decoding there, attention on the CPU (default: off).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="Seeds random weights.")
+@click.option("--dist-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="A plan with a pipeline: seconds to wait for the stage processes' rendezvous and for any "
+                   "one message between them.")
 def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, cpu_blocks, max_batch, max_waiting,
-            max_context, prefill_chunk, cpu_attention, seed):
-    """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics."""
+            max_context, prefill_chunk, cpu_attention, seed, dist_timeout):
+    """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics. A plan with
+    a pipeline runs one process per stage (spawned here, or one torchrun process each)."""
     plan = load_plan(plan_path)
-    refuse_pipeline(plan, plan_path)
+    if pipelined(plan):
+        from hetplan.runtime.serve.pipeline.launch import refuse_replicas
+        refuse_replicas(plan, plan_path)
     require_torch("serve")
     try:
         import uvicorn  # noqa: F401
@@ -64,10 +68,22 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
                             max_batch=max_batch, max_waiting=max_waiting, max_context=max_context,
                             prefill_chunk=prefill_chunk, cpu_attention=cpu_attention)
     with step("loading the model"):
-        engine = load_engine(plan, weights, settings, emulate=emulate, seed=seed)
+        if pipelined(plan):
+            from hetplan.runtime.serve.pipeline.launch import start_engine
+            engine = start_engine(plan, weights, settings, emulate=emulate, seed=seed, timeout_s=dist_timeout)
+            if engine is None:  # a torchrun process of a later stage: it served until stage 0 stopped
+                return
+        else:
+            engine = load_engine(plan, weights, settings, emulate=emulate, seed=seed)
     quiet()  # serving waits for requests by design: no "still working" lines
     running_in = {"cuda": "GPU", "emulated": "emulated GPU", "cpu": "DRAM"}[engine.mode]
-    click.echo(f"hetplan serve: {plan.model.name} on http://{host}:{port}; KV blocks of {settings.block_tokens} "
-               f"tokens: {settings.gpu_blocks} for running requests ({running_in}), {settings.cpu_blocks} for "
-               f"swapped ones (DRAM); batch <= {settings.max_batch}, queue <= {settings.max_waiting}", err=True)
-    serve_forever(engine, host, port, plan.model.name)
+    name = whole_model(plan).name
+    stages = len(plan.pipeline["stages"]) if pipelined(plan) else 1
+    where = f" as a pipeline of {stages} stages, one process each" if stages > 1 else ""
+    per = (f" in each stage, {engine.request_blocks} per group of requests ({stages} groups in flight)"
+           if stages > 1 else "")
+    click.echo(f"hetplan serve: {name} on http://{host}:{port}{where}; KV blocks of {settings.block_tokens} "
+               f"tokens: {engine.pool.alloc.n_blocks['gpu']} for running requests ({running_in}){per}, "
+               f"{engine.pool.alloc.n_blocks['cpu']} for swapped ones (DRAM); batch <= {settings.max_batch}, "
+               f"queue <= {settings.max_waiting}", err=True)
+    serve_forever(engine, host, port, name)

@@ -25,7 +25,8 @@ lacks or too small, not enough memory) stops every process at once, each with on
 its stage. ``micro_batches`` groups of the plan's batch flow through each replica's stages
 (``flow``; default ``worker.default_micro_batches``). The rendezvous and every message wait at
 most ``timeout_s`` (``--dist-timeout``). Intra-op threads are shared out: ``cores // processes``
-per spawned process.
+per spawned process. ``hetplan serve``'s pipeline (``hetplan.runtime.serve.pipeline.launch``)
+starts its processes with the same pieces (``ready``, ``as_process``, the torchrun variables).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOU
     if not 1 <= m <= MAX_MICRO_BATCHES:
         raise HetplanError(f"--micro-batches {m}: must be 1 to {MAX_MICRO_BATCHES}")
     if under_torchrun():
-        rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        rank, size = env_int("RANK"), env_int("WORLD_SIZE")
         if size != world or not 0 <= rank < world:
             of = (f"{ranks.replicas} replicas x {ranks.stages} stage(s) = {world} processes"
                   if ranks.replicas > 1 else f"{world} stage(s), one process each")
@@ -82,7 +83,7 @@ def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOU
                                f"processes in all (torchrun --nnodes and --nproc-per-node adding up to {world})")
         return run_rank(plan, rank, "env://", opts, timeout_s, progress, m)
     if world == 1:
-        mode, gpu = _checked_device(plan, 0, opts, m)
+        mode, gpu = checked_device(plan, 0, opts, m)
         if mode == "cuda":
             torch.cuda.set_device(gpu)
         return PreparedStage(plan, 0, opts, mode, m).run(None, progress)
@@ -93,7 +94,7 @@ def run_pipeline(plan: Plan, opts: RunOptions, timeout_s: float = DEFAULT_TIMEOU
     return _spawn(plan, opts, timeout_s, progress, m)
 
 
-def _checked_device(plan: Plan, rank: int, opts: RunOptions, micro_batches: int) -> tuple[str, int]:
+def checked_device(plan: Plan, rank: int, opts: RunOptions, micro_batches: int) -> tuple[str, int]:
     """(mode, GPU) of process ``rank`` here, once this machine is known to hold its stage with
     ``micro_batches``; says each warning on its own line."""
     ranks = Ranks.of(plan.pipeline)
@@ -101,11 +102,11 @@ def _checked_device(plan: Plan, rank: int, opts: RunOptions, micro_batches: int)
     s = ranks.split(rank)[1]
     for line in check_node(stage_plan(plan, s), s, mode, gpu, micro_batches, planned_micro_batches(plan),
                            ranks.name(rank)):
-        _say(line, "warning")
+        say(line, "warning")
     return mode, gpu
 
 
-def _env_int(name: str) -> int:
+def env_int(name: str) -> int:
     try:
         return int(os.environ[name])
     except ValueError:
@@ -134,12 +135,26 @@ def run_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_
 
 def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, progress,
              micro_batches: int):
+    prepared, peers = ready(plan, rank, init_method, opts, timeout_s, micro_batches,
+                            lambda mode: PreparedStage(plan, rank, opts, mode, micro_batches))
+    try:
+        return prepared.run(peers, progress)
+    finally:
+        leave()
+
+
+def ready(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_s: float, micro_batches: int,
+          prepare) -> tuple:
+    """Be process ``rank`` up to the point every process is ready: check this machine, rendezvous,
+    ``prepare(mode)`` (place the stage: -> an object with ``close``), agree that every process
+    is ready -> (prepared, ``Peers``). The caller ``leave``s the process group when done; on a
+    HetplanError (this process's or another's), it has been left."""
     ranks = Ranks.of(plan.pipeline)
     world, name = ranks.world, ranks.name(rank)
     backend = message_backend(plan, opts.emulate)
     prepared, problem, mode = None, None, None
     try:   # said to the others once the rendezvous is done, so that every process stops at once
-        mode, gpu = _checked_device(plan, rank, opts, micro_batches)
+        mode, gpu = checked_device(plan, rank, opts, micro_batches)
         if mode == "cuda":
             torch.cuda.set_device(gpu)   # before the rendezvous: NCCL's communicators use it
     except HetplanError as e:
@@ -148,25 +163,26 @@ def _be_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_
     try:
         if problem is None:
             try:
-                prepared = PreparedStage(plan, rank, opts, mode, micro_batches)
+                prepared = prepare(mode)
             except HetplanError as e:
                 problem = str(e)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         peers = Peers(ranks, rank, device, timeout_s)
-        ready = peers.all_gather(problem)
+        answers = peers.all_gather(problem)
         if problem is not None:
             raise HetplanError(problem)
-        others = [(ranks.name(r), p) for r, p in enumerate(ready) if p is not None]
+        others = [(ranks.name(r), p) for r, p in enumerate(answers) if p is not None]
         if others:
             prepared.close()
             them, p = others[0]
             raise HetplanError(f"{name}: not started: {them} cannot run ({p.removeprefix(f'{them}: ')})")
-        return prepared.run(peers, progress)
-    finally:
+        return prepared, peers
+    except BaseException:
         leave()
+        raise
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -179,7 +195,7 @@ def _spawn(plan: Plan, opts: RunOptions, timeout_s: float, progress, micro_batch
     world = ranks.world
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     threads = max(1, (os.cpu_count() or 1) // world)
     procs = [ctx.Process(target=_child, name=f"hetplan-{ranks.name(r).replace(' ', '-')}", daemon=False,
                          args=(plan, r, init, opts, timeout_s, progress if r == ranks.reporter else None, threads,
@@ -191,28 +207,35 @@ def _spawn(plan: Plan, opts: RunOptions, timeout_s: float, progress, micro_batch
 
 
 def _child(plan, rank, init, opts, timeout_s, progress, threads, results, micro_batches) -> None:
-    """A spawned stage process: its errors as one line on stderr, exit 2 (3: a bug, 130: Ctrl-C)."""
+    """A spawned stage process of ``hetplan exec``: the last rank puts the result on ``results``."""
+    result = as_process(Ranks.of(plan.pipeline).name(rank), threads, run_rank, plan, rank, init, opts, timeout_s,
+                        progress, micro_batches)
+    if result is not None:  # as bytes: tensors put on a queue as such live in shared memory
+        buf = io.BytesIO()   # that goes when this process exits, before the launcher reads them
+        torch.save(result, buf)
+        results.put(buf.getvalue())
+
+
+def as_process(name: str, threads: int, fn, *args):
+    """``fn(*args)`` as a spawned process's whole work, with ``threads`` intra-op threads: its
+    errors as one line on stderr, exit 2 (3: a bug, 130: Ctrl-C)."""
     torch.set_num_threads(threads)
     try:
-        result = run_rank(plan, rank, init, opts, timeout_s, progress, micro_batches)
-        if result is not None:  # as bytes: tensors put on a queue as such live in shared memory
-            buf = io.BytesIO()   # that goes when this process exits, before the launcher reads them
-            torch.save(result, buf)
-            results.put(buf.getvalue())
+        return fn(*args)
     except HetplanError as e:
-        _say(str(e))
+        say(str(e))
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - a bug: one line, and how to get the traceback
         if os.environ.get("HETPLAN_TRACEBACK"):
             raise
-        _say(f"{Ranks.of(plan.pipeline).name(rank)}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 "
-             f"prints the traceback)")
+        say(f"{name}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 prints the "
+            f"traceback)")
         sys.exit(3)
 
 
-def _say(text: str, kind: str = "error") -> None:
+def say(text: str, kind: str = "error") -> None:
     """One line on stderr, written at once (one ``write`` to the descriptor: the stage processes
     share it, and a line written in parts can be cut by another process's)."""
     line = "hetplan: {}: {}\n".format(kind, " ".join(text.split()))

@@ -5,5 +5,6 @@ accounting and ``pool`` holds the cache bytes per tier and copies blocks between
 ``model`` runs one batched forward over every scheduled request's own blocks; ``sampling``
 turns logits into tokens; ``scheduler`` decides each step's batch; ``engine`` runs steps on a
 thread of its own; ``metrics`` renders its counters; ``load`` builds it all from a plan and
-weights; ``api/`` speaks the OpenAI API over Starlette and uvicorn. Only ``api/`` knows HTTP.
+weights; ``pipeline/`` serves a pipeline plan, one process per stage; ``api/`` speaks the OpenAI
+API over Starlette and uvicorn. Only ``api/`` knows HTTP.
 """

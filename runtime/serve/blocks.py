@@ -30,13 +30,16 @@ class BlockTable:
 class BlockAllocator:
     """Free blocks per tier; ``tables`` maps a request id to its ``BlockTable``."""
 
-    def __init__(self, block_tokens: int, n_blocks: dict):
+    def __init__(self, block_tokens: int, n_blocks: dict, first: dict | None = None):
+        """``first``: per tier, the id of its first block (0 unless the allocator hands out one
+        part of a larger pool: block ids ``[first, first + n_blocks)``)."""
         if block_tokens < 1:
             raise HetplanError(f"--block-tokens {block_tokens}: a block holds at least one token")
         self.block_tokens = block_tokens
         self.n_blocks = {t: n_blocks.get(t, 0) for t in TIERS}
+        first = first or {}
         # lowest ids first, so that a fresh pool hands out 0, 1, 2 ...
-        self._free = {t: list(range(self.n_blocks[t] - 1, -1, -1)) for t in TIERS}
+        self._free = {t: list(range(first.get(t, 0) + self.n_blocks[t] - 1, first.get(t, 0) - 1, -1)) for t in TIERS}
         self.tables: dict = {}
 
     def free_blocks(self, tier: str) -> int:

@@ -59,6 +59,10 @@ class Engine:
         else:
             self.detokenize = lambda ids: "".join(f" {i}" for i in ids)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.request_blocks = settings.gpu_blocks
+        """GPU-tier blocks one request may hold at most."""
+        self.request_blocks_of = ""
+        """How ``request_blocks`` follows from the pool, when it is not the whole GPU tier."""
         self.requests: dict = {}
         self.stats = Stats()
         self._mail = threading.Lock()      # guards what other threads hand the stepping thread
@@ -87,9 +91,9 @@ class Engine:
             raise TooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {need} tokens, "
                           f"beyond the {s.max_context}-token context this server holds; shorten the prompt or "
                           f"lower max_tokens")
-        if blocks_for(need, s.block_tokens) > s.gpu_blocks:
+        if blocks_for(need, s.block_tokens) > self.request_blocks:
             raise TooLong(f"{need} tokens need {blocks_for(need, s.block_tokens)} KV blocks, the GPU tier has "
-                          f"{s.gpu_blocks}; shorten the prompt or lower max_tokens")
+                          f"{self.request_blocks}{self.request_blocks_of}; shorten the prompt or lower max_tokens")
         with self._mail:
             if self.waiting >= s.max_waiting:
                 raise QueueFull(f"{self.waiting} requests are already waiting (queue capacity "
@@ -106,7 +110,7 @@ class Engine:
         """Tokens a request with this prompt may generate at most: what is left of the context and
         of the GPU tier's positions (at least 1, so that a prompt too long is refused as such)."""
         s = self.settings
-        return max(1, min(s.max_context, s.gpu_blocks * s.block_tokens) - prompt_tokens)
+        return max(1, min(s.max_context, self.request_blocks * s.block_tokens) - prompt_tokens)
 
     def cancel(self, rid: str) -> None:
         """Cancel ``rid`` at the start of the next step (nothing if it has finished)."""
@@ -204,8 +208,9 @@ class Engine:
             except Exception as e:  # the server stays up; the requests in flight end with an error
                 self._fail_all(f"{type(e).__name__}: {e}")
 
-    def _fail_all(self, message: str) -> None:
-        print(f"hetplan serve: error: {message}; the requests in flight were ended", file=sys.stderr)
+    def _fail_all(self, message: str, say: bool = True) -> None:
+        if say:
+            print(f"hetplan serve: error: {message}; the requests in flight were ended", file=sys.stderr)
         self._take_mail()
         for req in list(self.requests.values()):
             self.scheduler.remove(req)

@@ -1,6 +1,9 @@
 """Build a serving engine from a plan and weights: devices, weights placed, KV pool, tokenizer.
 
-Knows nothing about HTTP; ``hetplan serve`` and the tests call ``load_engine``.
+``load_part`` places the model and the pool of one plan on this machine: the whole model's, or
+one pipeline stage's part (``hetplan.runtime.distributed.part``), whose pool holds its own
+attention layers only. Knows nothing about HTTP; ``hetplan serve`` and the tests call
+``load_engine``, and the pipeline's stage processes ``load_part``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,16 @@ from hetplan.runtime.weights import weight_source
 
 
 def load_engine(plan, weights: str, settings: ServeSettings, emulate: bool | None = None, seed: int = 0) -> Engine:
-    spec = plan.model
     mode = choose_mode(plan, emulate)
+    model, pool, tokenizer = load_part(plan, weights, settings, mode, seed)
+    return Engine(model, pool, settings, tokenizer=tokenizer, mode=mode)
+
+
+def load_part(plan, weights: str, settings: ServeSettings, mode: str, seed: int = 0, blocks: dict | None = None):
+    """-> (PagedModel, KVPool, tokenizer or None) of ``plan`` (the whole model, or a stage's part)
+    in ``mode``; the pool holds ``blocks`` per tier (default: the settings' ``gpu_blocks`` and
+    ``cpu_blocks``) of the plan's attention layers."""
+    spec = plan.model
     if mode == "cuda":  # streamed blocks' weights are page-locked where they lie
         check_pinned_memory(pinned_need_bytes(plan, caches=False), host_available_bytes())
     # the emulated GPU counts what is placed in it against the plan's budget
@@ -29,6 +40,7 @@ def load_engine(plan, weights: str, settings: ServeSettings, emulate: bool | Non
     tokenizer = load_tokenizer(source)
     if hasattr(source, "close"):
         source.close()
-    pool = KVPool(devices, spec.n_layers, spec.n_kv_heads, spec.head_dim, kv_cache.storage(spec.kv_dtype),
-                  settings.block_tokens, {"gpu": settings.gpu_blocks, "cpu": settings.cpu_blocks})
-    return Engine(model, pool, settings, tokenizer=tokenizer, mode=mode)
+    blocks = blocks or {"gpu": settings.gpu_blocks, "cpu": settings.cpu_blocks}
+    pool = KVPool(devices, len(model.kv_index), spec.n_kv_heads, spec.head_dim, kv_cache.storage(spec.kv_dtype),
+                  settings.block_tokens, blocks)
+    return model, pool, tokenizer

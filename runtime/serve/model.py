@@ -67,6 +67,7 @@ class PagedModel:
         self.residency = Residency(plan, self.backend, source, devices, self.dtype,
                                    kv_cache.storage(spec.kv_dtype), 1, 1)
         self.blocks = [(p["block"], p["kind"], p["layer"]) for p in sorted(plan.placement, key=_order)]
+        self.has_head = any(kind == "head" for _, kind, _ in self.blocks)
         self.where = {phase: _where(plan, phase, devices.mode) for phase in PHASES}
         """phase -> block -> (tier it computes on, staging slot or None)."""
         self.weights = {phase: {name: self.residency.weights(name, tier, slot) for name, (tier, slot) in w.items()}
@@ -83,15 +84,17 @@ class PagedModel:
         """The worker thread DRAM requests' attention runs on (None without a GPU tier: then every
         request's cache is in host memory and attention runs on the calling thread)."""
 
-    def forward(self, pool, segments: list) -> torch.Tensor:
+    def forward(self, pool, segments: list, x: torch.Tensor | None = None) -> torch.Tensor:
         """segments: [(rid, ids [n] list, start)] -> fp32 logits [len(segments), V] at each
-        segment's last position; writes every segment's K/V into ``pool``."""
+        segment's last position; writes every segment's K/V into ``pool``. A pipeline stage's part
+        (``hetplan.runtime.distributed.part``) without the embedding starts from ``x``, the hidden
+        state [1, N, D] of every segment's tokens laid end to end, and one without the head
+        returns its hidden state [1, N, D] instead of logits."""
         lengths = [len(ids) for _, ids, _ in segments]
         offsets = [sum(lengths[:i]) for i in range(len(segments))]
         phase = "prefill" if any(n > 1 for n in lengths) else "decode"
         if self.ring is not None:
             self.ring.start(self.streamed[phase])
-        x = None
         for name, kind, layer in self.blocks:
             tier, slot = self.where[phase][name]
             dev, w = self.devices.device(tier), self.weights[phase][name]
@@ -113,6 +116,8 @@ class PagedModel:
                 logits = self._run("head", name, layer, dev, w, {"x": h}, 0, h.shape[1], all_logits=True)["logits"]
             if slot is not None:
                 self.ring.release(name)
+        if not self.has_head:
+            return x                                           # [1, N, D]
         return logits[0].float().cpu()                         # [S, V]
 
     def _attention_layer(self, pool, name, layer, dev, w, x, segments, offsets, lengths) -> torch.Tensor:

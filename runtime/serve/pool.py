@@ -94,9 +94,14 @@ class KVPool:
         """Swap ``rid``'s blocks to ``tier`` (copies, then the old blocks are free): -> blocks moved."""
         src = self.alloc.table(rid).tier
         pairs = self.alloc.move(rid, tier)
-        for a, b in zip(self.kv[src], self.kv[tier]):
-            copy_blocks(a, b, pairs)
+        self.copy(src, tier, pairs)
         return len(pairs)
+
+    def copy(self, src: str, dst: str, pairs: list) -> None:
+        """Block ``new`` of tier ``dst`` = block ``old`` of tier ``src`` for each (old, new), in
+        every array (a swap's copies, replayed as they were made)."""
+        for a, b in zip(self.kv[src], self.kv[dst]):
+            copy_blocks(a, b, pairs)
 
     def block_bytes(self, rid) -> torch.Tensor:
         """A CPU copy of the bytes of ``rid``'s blocks, uint8 [n, bytes of a block], in table order

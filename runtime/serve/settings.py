@@ -5,7 +5,10 @@ Every value can be set (``hetplan serve`` flags); what is left unset is derived 
 - ``gpu_blocks``: the plan's KV bytes (every block's ``kv_bytes``, over its batch and context)
   divided by one block's bytes, ``block_tokens * n_layers * kv_bytes_per_token`` (a key row and a
   value row of ``n_kv_heads * head_dim`` values in the KV dtype, a quantised row with its scales:
-  ``dtypes.row_bytes``): the running tier holds as many tokens as the plan budgeted for its caches;
+  ``dtypes.row_bytes``): the running tier holds as many tokens as the plan budgeted for its caches.
+  For a pipeline plan (plan.json's ``pipeline``), each stage holds a pool of its own attention
+  layers with the same block count (one block: the same positions in every stage), so it is the
+  least, over the stages, of that stage's KV bytes over one block of its layers;
 - ``cpu_blocks``: as many again, in DRAM, as room to swap every running request out;
 - ``max_batch``: min(64, gpu_blocks) (each running request holds at least one block);
 - ``max_context``: the plan's context (prompt_len + gen_len);
@@ -24,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from hetplan.errors import HetplanError
+from hetplan.pipeline.record import stage_plan
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,7 @@ def settings_for(plan, **given) -> ServeSettings:
     if plan.serving is not None:
         given = {**from_serving(plan.serving, given.get("block_tokens")), **given}
     bt = given.get("block_tokens", ServeSettings.block_tokens)
-    kv_bytes = sum(p["kv_bytes"] for p in plan.placement if p.get("kv"))
-    gpu = given.get("gpu_blocks", max(1, int(kv_bytes // block_bytes(spec, bt))))
+    gpu = given.get("gpu_blocks", max(1, min(_pool_blocks(part, bt) for part in _parts(plan))))
     batch = given.get("max_batch", min(64, gpu))
     chunk = given.get("prefill_chunk", wl.prefill_chunk or 256)
     base = ServeSettings(block_tokens=bt, gpu_blocks=gpu, cpu_blocks=given.get("cpu_blocks", gpu),
@@ -90,3 +93,15 @@ def from_serving(serving: dict, block_tokens: int | None) -> dict:
     return {"block_tokens": bt, "gpu_blocks": max(1, int(serving["gpu_blocks"] * scale)),
             "cpu_blocks": int(serving["cpu_blocks"] * scale), "max_batch": serving["batch"],
             "max_context": serving["max_context"], "cpu_attention": serving["cpu_attention"]}
+
+
+def _parts(plan) -> list:
+    """The plans whose pools serve ``plan``: each stage's own plan for a pipeline, else itself."""
+    stages = (plan.pipeline or {}).get("stages", [])
+    return [stage_plan(plan, i) for i in range(len(stages))] if len(stages) > 1 else [plan]
+
+
+def _pool_blocks(plan, block_tokens: int) -> int:
+    """Blocks ``plan``'s KV bytes hold: its blocks' ``kv_bytes`` over one block of its layers."""
+    kv_bytes = sum(p["kv_bytes"] for p in plan.placement if p.get("kv"))
+    return int(kv_bytes // block_bytes(plan.model, block_tokens))

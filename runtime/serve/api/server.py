@@ -20,7 +20,9 @@ def _config(engine, host: str, port: int, model_name: str) -> uvicorn.Config:
 
 
 def serve_forever(engine, host: str, port: int, model_name: str) -> None:
-    """Serve until interrupted; the engine steps on its own thread meanwhile."""
+    """Serve until interrupted; the engine steps on its own thread meanwhile. An engine that
+    breaks (``broken_event``: a served pipeline whose stage failed) stops the server, and its
+    ``broken`` line is raised."""
     try:
         with socket.socket() as s:  # a clear error for a port in use, before uvicorn's own log lines
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -28,11 +30,18 @@ def serve_forever(engine, host: str, port: int, model_name: str) -> None:
     except OSError as e:
         raise HetplanError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another "
                            f"--port or stop what holds it") from None
+    server = uvicorn.Server(_config(engine, host, port, model_name))
+    broken = getattr(engine, "broken_event", None)
+    if broken is not None:  # a served pipeline whose stage failed: stop serving, say why
+        threading.Thread(target=lambda: (broken.wait(), setattr(server, "should_exit", True)),
+                         name="hetplan-serve-broken", daemon=True).start()
     engine.start()
     try:
-        uvicorn.Server(_config(engine, host, port, model_name)).run()
+        server.run()
     finally:
         engine.stop()
+    if getattr(engine, "broken", None):
+        raise HetplanError(engine.broken)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
