@@ -83,6 +83,8 @@ class Info(Strict):
     load_average_before: quantity("load", 1e6) | None = Field(None, description="1-minute load average")
     cpu_read_end_bytes_per_s: quantity("bytes/s", MEM_BYTES_PER_S_MAX) | None = Field(
         None, description="the CPU's streaming read measured again at the end (against cpu.mem_bandwidth: drift)")
+    one_row_readings: count(1 << 20) | None = Field(
+        None, description="times the models' stages at one row were timed, their repeats pooled")
     models: list[Text] | None = Field(None, description="models whose stages were measured")
 
 

@@ -2,7 +2,9 @@
 
 Every measurement is timed the same way (``time_call``): two warm-up calls, a device
 synchronisation after each call, repeats until the point's share of the budget is spent (at
-least 3, at most 31), and the median and interquartile range recorded. Measured:
+least 3, at most 31), and the median and interquartile range recorded. The models' stages at one
+row (a decode step of one sequence) are timed ``READINGS`` times at different moments, their
+repeats pooled (a shared host's slow stretches). Measured:
 
 - CPU: streaming-read memory bandwidth (a sum over a buffer 8x the last-level cache), the
   dispatch cost of one tiny op, GEMM peak per dtype (fp32, bf16, and fp16 where the CPU runs it
@@ -38,6 +40,12 @@ from hetplan.runtime.profiler.kernels import (QUANTISED, TORCH_DTYPES, attention
 MIN_REPEATS, MAX_REPEATS = 3, 31
 LINK_SIZES = tuple(1 << s for s in range(16, 29, 2))
 """Copy sizes of the link curves: 64 KiB, 256 KiB, ..., 256 MiB."""
+READINGS = 3
+"""How many times, at different moments, the points a decode step of one sequence is priced with
+(each stage of the models at one row, ``one_row``) are timed: once in the pass over every kernel,
+then again at its end with fresh operands while the budget allows. Their repeats are pooled, so a
+stretch of slowness on a shared host that covers one kernel's points in one reading moves the
+median only when it covers most readings. The other points are timed once."""
 USABLE_FRACTION = 0.05
 """A 16-bit dtype whose GEMM rate is below this fraction of fp32's is emulated: not profiled."""
 
@@ -48,6 +56,13 @@ class Timing:
     spread_s: float
     """Interquartile range of the repeats."""
     repeats: int
+    times: tuple = ()
+    """Every repeat's seconds."""
+
+    @staticmethod
+    def of(times) -> "Timing":
+        q = statistics.quantiles(times, n=4)
+        return Timing(statistics.median(times), q[2] - q[0], len(times), tuple(times))
 
 
 @dataclass
@@ -86,8 +101,7 @@ def time_call(fn, sync, share_s: float, deadline: float | None = None) -> Timing
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    q = statistics.quantiles(times, n=4)
-    return Timing(statistics.median(times), q[2] - q[0], len(times))
+    return Timing.of(times)
 
 
 @dataclass(frozen=True)
@@ -132,8 +146,10 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
         with torch.inference_mode():  # as the runtime executes stages
             # A second pass gives what the first left of the budget to the points that did
             # not fit in their group's share.
-            left_over = _run_kernels(kernels, rates, overhead, entries, budget, tick, final=False)
-            _run_kernels(left_over, rates, overhead, entries, budget, tick, final=True)
+            raw = {}
+            left_over = _run_kernels(kernels, rates, overhead, entries, budget, tick, final=False, raw=raw)
+            _run_kernels(left_over, rates, overhead, entries, budget, tick, final=True, raw=raw)
+            readings = _time_again([k for k in kernels if one_row(k)], raw, overhead, entries, budget)
     drift = _read_again(rates, budget)
     _grid_flops_peaks(entries, peaks)
     table = ProfileTable(entries={k: Entry(*k, tuple(sorted(v.values(), key=lambda p: p.x))) for k, v in entries.items()},
@@ -142,7 +158,7 @@ def profile_machine(budget: Budget, specs: tuple = (), progress=None) -> Profile
                                "budget_s": budget.seconds, "elapsed_s": round(budget.elapsed_s(), 3),
                                "skipped": list(budget.skipped), "peaks": dict(peaks),
                                "task_overhead_s": overhead, "load_average_before": load_before,
-                               "cpu_read_end_bytes_per_s": drift,
+                               "cpu_read_end_bytes_per_s": drift, "one_row_readings": readings,
                                "models": [s.name for s in specs]})
     return ProfileResult(peaks=peaks, machine=machine, table=table)
 
@@ -276,11 +292,62 @@ def _model_kernels(spec, device: str, budget: Budget) -> list:
         return []
 
 
+def one_row(k) -> bool:
+    """Whether ``k`` is a point of a decode step of one sequence: a model's linear stage at one row."""
+    return not k.grid and k.x == 1 and k.op in ("attn_in", "attn_out", "mlp", "moe", "head")
+
+
+def _point(k, t: Timing, overhead: dict) -> Point:
+    """``k`` timed as ``t``, as a task: the median call plus the runtime's per-task overhead."""
+    return Point(x=float(k.x), seconds=t.median_s + overhead[k.device], spread_s=t.spread_s, repeats=t.repeats,
+                 flops=k.work.flops, bytes=k.work.bytes)
+
+
+def _time_again(ks: list, raw: dict, overhead: dict, entries: dict, budget: Budget) -> int:
+    """Time the timed kernels of ``ks`` again (``READINGS - 1`` more times, a group's operands made
+    afresh each time, as long as the budget allows a whole reading) and record each point over
+    all its repeats -> how many readings every one of them had."""
+    ks = [k for k in ks if (k.device, k.op, k.dtype, k.shape, k.x) in raw]
+    if not ks:
+        return 0
+    done = 1
+    for _ in range(READINGS - 1):
+        first = {key: len(times) for key, times in raw.items()}
+        share = min(0.3, budget.left_s() / (2 * len(ks) * (READINGS - 1)))
+        if share < 0.02:
+            break
+        groups = {}
+        for k in ks:
+            groups.setdefault(k.group, []).append(k)
+        complete = True
+        for group in groups.values():
+            cache = {}
+            for k in group:
+                t = time_call(k.setup(cache), _sync(k.device), share, budget.deadline())
+                if t is None:
+                    complete = False
+                    break
+                raw[(k.device, k.op, k.dtype, k.shape, k.x)].extend(t.times)
+            cache.clear()
+            if not complete:
+                break
+        if not complete:   # a reading that did not reach every point is dropped, so all have as many
+            for key, n in first.items():
+                del raw[key][n:]
+            break
+        done += 1
+    for k in ks:
+        entries[(k.device, k.op, k.dtype, k.shape)][k.x] = _point(k, Timing.of(raw[(k.device, k.op, k.dtype, k.shape, k.x)]),
+                                                                  overhead)
+    return done
+
+
 def _run_kernels(kernels: list, rates: dict, overhead: dict, entries: dict, budget: Budget, tick,
-                 final: bool) -> list:
+                 final: bool, raw: dict | None = None) -> list:
     """Time every kernel whose estimate fits (each group gets an equal share of what is left)
     and record it as a task: its median call plus the runtime's per-task ``overhead[device]``.
-    Returns the kernels that did not fit; on the ``final`` pass they are recorded as skipped."""
+    Returns the kernels that did not fit; on the ``final`` pass they are recorded as skipped.
+    The repeats of the ``one_row`` kernels go into ``raw`` (key and x -> seconds)."""
     groups, left_over = {}, []
     for k in kernels:
         groups.setdefault(k.group, []).append(k)
@@ -309,9 +376,9 @@ def _run_kernels(kernels: list, rates: dict, overhead: dict, entries: dict, budg
             if t is None:
                 give_up(k, "the budget ran out while timing it")
                 continue
-            entries.setdefault((k.device, k.op, k.dtype, k.shape), {})[k.x] = Point(
-                x=float(k.x), seconds=t.median_s + overhead[k.device], spread_s=t.spread_s, repeats=t.repeats,
-                flops=k.work.flops, bytes=k.work.bytes)
+            entries.setdefault((k.device, k.op, k.dtype, k.shape), {})[k.x] = _point(k, t, overhead)
+            if raw is not None and one_row(k):
+                raw[(k.device, k.op, k.dtype, k.shape, k.x)] = list(t.times)
             tick(_label(k))
         cache.clear()
         if ks[0].device == "gpu":
