@@ -1,10 +1,14 @@
 """Tiny pipeline plans built in code: a tiny random llama saved with ``save_pretrained``, a node
 of four emulated GPUs, and each stage's plan chosen by a named strategy (so a test decides which
-stages stream or compute on the CPU), recorded in plan.json as ``hetplan compile`` records it."""
+stages stream or compute on the CPU), recorded in plan.json as ``hetplan compile`` records it;
+and ``lines_of``, a stage process's stderr lines as they come."""
 
 from __future__ import annotations
 
 import dataclasses
+import queue
+import subprocess
+import threading
 
 import torch
 import transformers
@@ -96,3 +100,15 @@ def _written(pp: PipelinePlan, out_path) -> Plan:
 def tiers(plan: Plan) -> set:
     """What the stages' own plans hold: ``gpu``, ``stream``, ``cpu`` weights of layer blocks."""
     return {p["weights"] for st in plan.pipeline["stages"] for p in st["plan"]["placement"] if p["layer"] is not None}
+
+
+def lines_of(proc: subprocess.Popen) -> queue.Queue:
+    """proc's stderr lines as they come (None at its end)."""
+    q = queue.Queue()
+
+    def pump():
+        for line in proc.stderr:
+            q.put(line)
+        q.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return q

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 import transformers
 
 from hetplan.workload import Workload
-from tests.distributed.pipelines import pipeline_plan, replicated_plan
+from tests.distributed.pipelines import lines_of, pipeline_plan, replicated_plan
 
 LONG = Workload(1, 8, 4000, prefill_chunk=8)
 """Decode long enough (thousands of steps) that a run killed after its first step is mid-run."""
@@ -51,18 +49,6 @@ def start(plan_path, rank: int, world: int, port: int, *extra) -> subprocess.Pop
 
 def errors(stderr: str) -> list:
     return [line for line in stderr.splitlines() if line.startswith("hetplan: error:")]
-
-
-def lines_of(proc: subprocess.Popen) -> queue.Queue:
-    """proc's stderr lines as they come (None at its end)."""
-    q = queue.Queue()
-
-    def pump():
-        for line in proc.stderr:
-            q.put(line)
-        q.put(None)
-    threading.Thread(target=pump, daemon=True).start()
-    return q
 
 
 @pytest.fixture(scope="module")

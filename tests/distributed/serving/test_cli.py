@@ -23,7 +23,7 @@ import torch
 
 from hetplan.runtime.serve.api.server import free_port
 from hetplan.workload import Workload
-from tests.distributed.pipelines import VOCAB, pipeline_plan, reference, replicated_plan
+from tests.distributed.pipelines import VOCAB, lines_of, pipeline_plan, reference, replicated_plan
 
 WORKLOAD = Workload(2, 16, 24, prefill_chunk=8)
 
@@ -40,18 +40,6 @@ def serve(plan_path, directory, port: int, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hetplan", "serve", str(plan_path), "--weights", directory,
                              "--port", str(port), "--emulate", "--block-tokens", "4", "--dist-timeout", "60"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def lines_of(proc: subprocess.Popen) -> queue.Queue:
-    """proc's stderr lines as they come (None at its end)."""
-    q = queue.Queue()
-
-    def pump():
-        for line in proc.stderr:
-            q.put(line)
-        q.put(None)
-    threading.Thread(target=pump, daemon=True).start()
-    return q
 
 
 def started(lines: queue.Queue, seen: list) -> str:
