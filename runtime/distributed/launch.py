@@ -124,10 +124,16 @@ def run_rank(plan: Plan, rank: int, init_method: str, opts: RunOptions, timeout_
              progress=None, micro_batches: int = 1) -> PipelineResult | None:
     """Be process ``rank`` (a replica's stage): check this machine, rendezvous, place the stage,
     agree that every process is ready, run."""
-    name = Ranks.of(plan.pipeline).name(rank)
+    return named(Ranks.of(plan.pipeline).name(rank), _be_rank, plan, rank, init_method, opts, timeout_s, progress,
+                 micro_batches)
+
+
+def named(name: str, fn, *args):
+    """``fn(*args)``, its one-line errors naming the process (``stage 1``, ``replica 0 stage 1``):
+    every line a stage process says names its stage."""
     try:
-        return _be_rank(plan, rank, init_method, opts, timeout_s, progress, micro_batches)
-    except HetplanError as e:  # every line a stage process says names the stage
+        return fn(*args)
+    except HetplanError as e:
         if str(e).startswith(f"{name}:"):
             raise
         raise HetplanError(f"{name}: {e}") from None

@@ -175,8 +175,8 @@ def _device_peaks(device: str, peaks: dict, rates: dict, budget: Budget, tick) -
     Each measurement gets 5 % of the budget (GEMMs shrink to fit it)."""
     dev, sync = ("cuda" if device == "gpu" else "cpu"), _sync(device)
     where = "gpus[0]" if device == "gpu" else "cpu"
-    share = max(0.01, min(0.5, budget.seconds * 0.01))
-    nbytes = (1 << 30) if device == "gpu" else min(1 << 30, max(256 << 20, 8 * cache_bytes("cpu")))
+    share = _peak_share(budget)
+    nbytes = (1 << 30) if device == "gpu" else _cpu_read_bytes()
     peaks[f"{where}.mem_bandwidth"] = rates[device, "mem"] = nbytes / _read_s(nbytes, dev, sync, share)
     tick(f"{device} memory bandwidth")
     tiny = torch.ones(1, device=dev)
@@ -213,6 +213,16 @@ def _device_peaks(device: str, peaks: dict, rates: dict, budget: Budget, tick) -
     return usable
 
 
+def _peak_share(budget: Budget) -> float:
+    """Seconds one peak measurement may take: 1 % of the budget, 0.01-0.5 s."""
+    return max(0.01, min(0.5, budget.seconds * 0.01))
+
+
+def _cpu_read_bytes() -> int:
+    """The CPU's streaming-read buffer: 8x the last-level cache, 256 MiB-1 GiB."""
+    return min(1 << 30, max(256 << 20, 8 * cache_bytes("cpu")))
+
+
 def _read_s(nbytes: int, dev: str, sync, share_s: float) -> float:
     """Median time of one streaming read (a sum) over a buffer of ``nbytes``."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
@@ -223,10 +233,10 @@ def _read_again(rates: dict, budget: Budget) -> float | None:
     """The CPU's streaming read measured again once every kernel is timed (None when the budget
     has no room left): against the first reading, how much the machine's speed moved while the
     profile ran (another tenant's load on a shared host moves both)."""
-    nbytes = min(1 << 30, max(256 << 20, 8 * cache_bytes("cpu")))
     if budget.left_s() < 1.0 or ("cpu", "mem") not in rates:
         return None
-    return nbytes / _read_s(nbytes, "cpu", _sync("cpu"), max(0.01, min(0.5, budget.seconds * 0.01)))
+    nbytes = _cpu_read_bytes()
+    return nbytes / _read_s(nbytes, "cpu", _sync("cpu"), _peak_share(budget))
 
 
 def _probe_rate(dt, dev: str, sync, n: int) -> float:

@@ -34,8 +34,7 @@ constexpr int MR = 4;              // rows of x a tile multiplies at once (4 x 2
 
 struct QX {                        // x quantised: per row m, per block b of 32
   int64_t nb;                      // blocks per row (K padded to 32)
-  std::vector<int8_t> q;           // [M, 32 nb]  qx
-  std::vector<uint8_t> u;          // [M, 32 nb]  qx + 128 (for signed weights)
+  std::vector<uint8_t> v;          // [M, 32 nb]  qx as bytes, or qx + 128 for formats with signed weights
   std::vector<float> dx;           // [M, nb]
   std::vector<int32_t> sum;        // [M, nb]  S_b
 };
@@ -53,11 +52,11 @@ inline float quantise32(const float* x, __m512i& q0, __m512i& q1) {
   return dx;
 }
 
-inline QX quantise_x(const float* x, int64_t M, int64_t K) {
+// ``offset``: 128 where the weights are signed (u = qx + 128 is dpbusd's unsigned side), else 0.
+inline QX quantise_x(const float* x, int64_t M, int64_t K, int offset) {
   QX q;
   const int64_t nb = q.nb = (K + 31) / 32;
-  q.q.assign(M * 32 * nb, 0);
-  q.u.assign(M * 32 * nb, 128);
+  q.v.assign(M * 32 * nb, static_cast<uint8_t>(offset));
   q.dx.assign(M * nb, 0.f);
   q.sum.assign(M * nb, 0);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
@@ -70,12 +69,10 @@ inline QX quantise_x(const float* x, int64_t M, int64_t K) {
         if (k1 - k0 == 32) {   // a whole block: quantise32, as the loop below
           __m512i q0, q1;
           dx = quantise32(xr + k0, q0, q1);
-          const __m512i u128 = _mm512_set1_epi32(128);
+          const __m512i off = _mm512_set1_epi32(offset);
           auto store = [](void* to, __m512i v) { _mm_storeu_si128(static_cast<__m128i*>(to), _mm512_cvtepi32_epi8(v)); };
-          store(&q.q[at], q0);
-          store(&q.q[at + 16], q1);
-          store(&q.u[at], _mm512_add_epi32(q0, u128));
-          store(&q.u[at + 16], _mm512_add_epi32(q1, u128));
+          store(&q.v[at], _mm512_add_epi32(q0, off));
+          store(&q.v[at + 16], _mm512_add_epi32(q1, off));
           sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         } else {
           float amax = 0.f;
@@ -84,8 +81,7 @@ inline QX quantise_x(const float* x, int64_t M, int64_t K) {
           const float inv = dx > 0.f ? 1.f / dx : 0.f;
           for (int64_t k = k0; k < k1; ++k) {
             const int v = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(xr[k] * inv))));
-            q.q[at + k - k0] = static_cast<int8_t>(v);
-            q.u[at + k - k0] = static_cast<uint8_t>(v + 128);
+            q.v[at + k - k0] = static_cast<uint8_t>(v + offset);
             sum += v;
           }
         }
@@ -166,9 +162,7 @@ template <int FMT, int R>
 inline void tile(const QX& q, const Panel& pn, int64_t m0, float* out) {
   const int64_t nb = q.nb;
   const int32_t* xs[R];
-  for (int a = 0; a < R; ++a)
-    xs[a] = reinterpret_cast<const int32_t*>(signed_weights(FMT) ? static_cast<const void*>(q.u.data() + (m0 + a) * 32 * nb)
-                                                                 : static_cast<const void*>(q.q.data() + (m0 + a) * 32 * nb));
+  for (int a = 0; a < R; ++a) xs[a] = reinterpret_cast<const int32_t*>(q.v.data() + (m0 + a) * 32 * nb);
   __m512 acc[R][NGR];
   for (int a = 0; a < R; ++a)
     for (int g = 0; g < NGR; ++g) acc[a][g] = _mm512_setzero_ps();
@@ -243,7 +237,7 @@ inline void add_offsets(const Rows& r, const QX& q, int64_t M, int64_t N, float*
 // quantised per block once for all of them (see above) and each segment's outputs written into
 // its columns of y; x contiguous fp32.
 inline void int8_matmul(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
-  const QX q = quantise_x(x, M, segs[0].r.K);
+  const QX q = quantise_x(x, M, segs[0].r.K, signed_weights(segs[0].r.fmt) ? 128 : 0);
   for (const Seg& g : segs) {
     const Rows& r = g.r;
     float* yg = y + g.off;

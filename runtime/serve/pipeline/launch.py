@@ -18,7 +18,8 @@ import signal
 import torch
 
 from hetplan.errors import HetplanError
-from hetplan.runtime.distributed.launch import (as_process, env_int, free_port, ready, under_torchrun)
+from hetplan.runtime.distributed.launch import (DEFAULT_TIMEOUT_S, as_process, env_int, free_port, named, ready,
+                                                under_torchrun)
 from hetplan.runtime.distributed.peers import leave
 from hetplan.runtime.distributed.ranks import Ranks
 from hetplan.runtime.distributed.worker import stage_device, wire_dtype
@@ -27,17 +28,13 @@ from hetplan.runtime.serve.pipeline.groups import pool_blocks
 from hetplan.runtime.serve.pipeline.stage import StagePart, serve_stage
 from hetplan.runtime.session import RunOptions
 
-DEFAULT_TIMEOUT_S = 300.0
-"""Default wait for the rendezvous and for any one message (``--dist-timeout``)."""
-
-
 def refuse_replicas(plan, plan_path: str) -> None:
     """Replicas of a pipeline are not served: one line saying what to do."""
     r = plan.pipeline.get("replicas") or 1
     if r > 1:
         raise HetplanError(f"{plan_path}: the plan runs {r} replicas of a pipeline of {len(plan.pipeline['stages'])} "
-                           f"stage(s), and hetplan serve runs one pipeline; compile it for serving without replicas "
-                           f"(`hetplan compile ... --replicas 1`), or run the replicas with `hetplan exec {plan_path}`")
+                           f"stage(s), and hetplan serve runs one pipeline; compile it without `--objective throughput` "
+                           f"(which plans the replicas), or run the replicas with `hetplan exec {plan_path}`")
 
 
 def start_engine(plan, weights: str, settings, emulate: bool | None = None, seed: int = 0,
@@ -70,10 +67,10 @@ def start_engine(plan, weights: str, settings, emulate: bool | None = None, seed
         for p in children:
             p.start()
     if rank != 0:
-        _named(rank, _serve_rank, plan, rank, init, opts, settings, timeout_s)
+        named(f"stage {rank}", _serve_rank, plan, rank, init, opts, settings, timeout_s)
         return None
     try:
-        return _named(0, _engine, plan, init, opts, settings, timeout_s, children)
+        return named("stage 0", _engine, plan, init, opts, settings, timeout_s, children)
     except BaseException:
         for p in children:
             p.join(10)
@@ -108,17 +105,8 @@ def _serve_rank(plan, rank, init, opts, settings, timeout_s) -> None:
         leave()
 
 
-def _named(rank: int, fn, *args):
-    """``fn(*args)``, its one-line errors naming stage ``rank``."""
-    try:
-        return fn(*args)
-    except HetplanError as e:
-        if str(e).startswith(f"stage {rank}:"):
-            raise
-        raise HetplanError(f"stage {rank}: {e}") from None
-
-
 def _child(plan, rank, init, opts, settings, timeout_s, threads) -> None:
     """A spawned later stage: Ctrl-C is for stage 0's process, which stops this one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    as_process(f"stage {rank}", threads, _named, rank, _serve_rank, plan, rank, init, opts, settings, timeout_s)
+    name = f"stage {rank}"
+    as_process(name, threads, named, name, _serve_rank, plan, rank, init, opts, settings, timeout_s)
