@@ -12,7 +12,9 @@ pages).
   ``load`` task is one copy of the block into a staging slot; the GPU holds a ring of ``depth``
   preallocated slots, each as large as the largest streamed block, and a streamed stage computes
   with the same views laid over its slot. CPU stages of such a block use the host buffer.
-- ``cpu`` blocks: the buffer is in host memory.
+- ``cpu`` blocks: the buffer is in host memory; but a block of lookup tables only (the token
+  embedding) is read from the checkpoint's file a row at a time as stages look rows up, in its
+  stored dtype (``looked_up_in_place``): the process holds none of it.
 - split MoE blocks (weights ``gpu`` with cold experts, ``hetplan.experts``): two buffers, the
   block's tensors less its cold experts' in GPU memory, the cold experts' in host memory
   (plain where only the CPU reads them). Stages on the GPU see the first part, the CPU's
@@ -174,6 +176,10 @@ class Residency:
                 progress("loading", i, len(entries))
             tier = "gpu" if p["weights"] == "gpu" else "cpu"
             main, cold = parts[p["block"]]
+            if tier == "cpu" and p["block"] not in streamed and looked_up_in_place(main, source):
+                self.blocks[p["block"]] = BlockWeights(p["block"], p["kind"], p["layer"], tier, torch.empty(0), (),
+                                                       {t.local: source.table(t) for t in main})
+                continue
             self.blocks[p["block"]] = place(p, main, source, dtype, tier, pinned=p["block"] in streamed,
                                             what=f"weights of {p['block']}")
             if cold:
@@ -309,6 +315,15 @@ class Residency:
         ``slot`` (asynchronously on CUDA: the caller is on the ``h2d`` stream)."""
         flat = self._loaded(block).flat
         self.slots[slot][:flat.numel()].copy_(flat, non_blocking=self.devices.cuda)
+
+
+def looked_up_in_place(specs: list, source) -> bool:
+    """Whether a block in DRAM is read row by row from the checkpoint's file rather than copied
+    (``hetplan.runtime.lookup.FileTable``): every tensor of it a lookup table
+    (``quant.EMBEDDINGS``: rows looked up, never multiplied whole) and ``source`` a checkpoint.
+    Only the rows looked up are read, as llama.cpp's and transformers' mappings read only the
+    pages they touch; the plan still prices the whole table."""
+    return bool(specs) and hasattr(source, "table") and all(t.local in quant.EMBEDDINGS for t in specs)
 
 
 def held_formats(plan: Plan, source):

@@ -5,7 +5,8 @@ A ``Checkpoint`` parses the headers of a directory's ``*.safetensors`` files (th
 is a zero-copy CPU tensor over the file's pages, so a tensor is read from disk only when its tier
 copies it; ``release(name)`` then drops that tensor's pages from the process (they stay in the
 page cache), so while placing, the process holds the placed weights plus at most one tensor's
-mapped pages, never a second full copy; ``close`` unmaps the files afterwards.
+mapped pages, never a second full copy; ``close`` unmaps the files afterwards. ``table(name)``
+is a lookup table read from the file a row at a time (``hetplan.runtime.lookup.FileTable``).
 ``RandomWeights`` makes the same tensors from a seed: every value depends on the seed and the
 tensor's checkpoint name only, never on where the plan puts it.
 
@@ -29,6 +30,7 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.frontends.gguf.header import is_gguf
 from hetplan.runtime.backend import TensorSpec
+from hetplan.runtime.lookup import FileTable
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Plan weight dtypes the runtime executes."""
@@ -123,6 +125,12 @@ class Checkpoint:
             return torch.empty(shape, dtype=dtype)
         # Through a memoryview: while the tensor lives the mapping cannot be closed under it.
         return torch.frombuffer(memoryview(self._maps[f])[offset:offset + nbytes], dtype=dtype).view(shape)
+
+    def table(self, expected: TensorSpec) -> FileTable:
+        """The tensor as a lookup table read row by row from its file (``FileTable``), in its
+        dtype as stored; it outlives ``close``."""
+        f, dtype, shape, offset, _ = self._entries[self.resolve(expected.checkpoint)]
+        return FileTable(f, offset, shape, dtype)
 
     FILL_CHUNK_BYTES = 2 << 20
     """Bytes copied out of the mapping before its pages are let go: the most a ``fill`` holds

@@ -95,7 +95,7 @@ def packed_layout(fmt: str, specs, dtype: torch.dtype, expert_of=None, formats=N
     for t in others:
         raw.append((t.local, count, tuple(t.shape)))
         count += numel(t.shape)
-    raw_dtype = torch.float16 if others and all(t.local in quant.EMBEDDINGS for t in others) else dtype
+    raw_dtype = quant.TABLE_DTYPE if others and all(t.local in quant.EMBEDDINGS for t in others) else dtype
     dense, end = [], 0
     for t in linears:                       # only the linears a stage needs as a matrix
         if expert_of(t.local) is None and needs_matrix(t.local):

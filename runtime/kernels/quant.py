@@ -24,7 +24,7 @@ int8/int4/q4_k_m scales are computed in fp32 (then rounded to their stored dtype
 half to even.
 
 The kernels that multiply with these bytes are ``hetplan.runtime.kernels.linear``'s. Embeddings,
-norms and biases are not quantised (``quantises``). Knows nothing about plans, devices or
+norms and biases are not quantised (``quantises``; tables in ``TABLE_DTYPE``). Knows nothing about plans, devices or
 models beyond a tensor's local name.
 """
 
@@ -37,7 +37,11 @@ from hetplan import dtypes
 FORMATS = ("q8_0", "q4_0", "int8", "int4", "q4_k_m")
 """Plan weight (and KV) dtypes stored quantised."""
 EMBEDDINGS = ("tok", "pos")
-"""Local names of lookup tables, kept in fp16 (looked up by row, never multiplied)."""
+"""Local names of lookup tables (looked up by row, never multiplied): kept unquantised."""
+TABLE_DTYPE = torch.float16
+"""What a quantised plan's lookup tables hold: copies are fp16, and rows read from a checkpoint's
+file (``residency.looked_up_in_place``) are rounded to it, so that a table's values do not
+depend on where the plan puts it."""
 _BLOCKED = {"q8_0": 32, "q4_0": 32, "q4_k_m": 256}
 """Block-wise formats -> values per (super-)block; the others scale whole rows."""
 

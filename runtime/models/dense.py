@@ -19,11 +19,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from hetplan.runtime.kernels import native
+from hetplan.runtime.kernels import native, quant
 from hetplan.runtime.kernels.linear import linear, linear_t
 from hetplan.errors import HetplanError
 from hetplan.model import ModelSpec
 from hetplan.runtime import kv_cache
+from hetplan.runtime.lookup import lookup
 from hetplan.runtime.models import dense_layout
 from hetplan.runtime.backend import DEFAULT_MAX_TOKENS, StageCall, TensorSpec
 
@@ -84,6 +85,8 @@ class DenseBackend:
         # The dtype stages compute in: the weights' own, or (quantised weights) the one the run
         # dequantises into, set before ``setup``.
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.weight_dtype, torch.float32)
+        # What the lookup tables hold, whatever dtype they are read in (``quant.TABLE_DTYPE``).
+        self.table_dtype = quant.TABLE_DTYPE if quant.is_quantised(spec.weight_dtype) else self.dtype
         self.llama_like = spec.arch not in ("opt", "gpt2")
         self.pos_offset = 2 if spec.arch == "opt" else 0
         # OPT scales q before attention (and attends with scale 1); the others scale in attention.
@@ -133,10 +136,10 @@ class DenseBackend:
     # -- stages ------------------------------------------------------------------------------
     def _embed(self, c: StageCall) -> dict:
         ids = c.inputs["ids"]                                  # [B, S] int64
-        x = F.embedding(ids, c.weights["tok"]).to(self.dtype)  # [B, S, D] (fp16 tables of quantised plans)
+        x = lookup(c.weights["tok"], ids).to(self.table_dtype).to(self.dtype)  # [B, S, D]
         if "pos" in c.weights:
             lo = c.step.start + self.pos_offset
-            x += c.weights["pos"][lo:lo + c.step.new_tokens]  # [S, D] broadcast over B
+            x += c.weights["pos"][lo:lo + c.step.new_tokens].to(self.table_dtype)  # [S, D] broadcast over B
         return {"x": x}
 
     def _attn_in(self, c: StageCall) -> dict:

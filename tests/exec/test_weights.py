@@ -5,6 +5,7 @@ seeded random weights that transformers reproduces with the same values."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.errors import HetplanError
 from hetplan.runtime.backend import backend_for
 from hetplan.runtime.devices import Devices
+from hetplan.runtime.lookup import lookup
 from hetplan.runtime.residency import Residency
 from hetplan.runtime.session import RunOptions, run_plan
 from hetplan.runtime.weights import Checkpoint, random_state_dict
@@ -119,8 +121,10 @@ def test_truncated_checkpoint_is_refused(setup, tmp_path):
 
 
 def test_loading_holds_the_weights_once_and_unmaps_the_checkpoint(setup):
-    """Each block's tensors land in one buffer of exactly its weight bytes, and no view of the
-    memory-mapped files outlives loading (unmapping raises BufferError while one exists)."""
+    """Each block's tensors land in one buffer of exactly its weight bytes, but a block of lookup
+    tables in DRAM (the token embedding), read from the file a row at a time; no view of the
+    memory-mapped files outlives loading (unmapping raises BufferError while one exists), and
+    the process maps no part of the checkpoint afterwards."""
     root, model = setup
     plan = plan_for(root / "single", root / "node.yaml", strategy="ngl:1")
     source = Checkpoint(root / "single")
@@ -129,9 +133,34 @@ def test_loading_holds_the_weights_once_and_unmaps_the_checkpoint(setup):
     assert source._maps  # the checkpoint was read through its mapping
     source.close()
     assert not source._maps
+    assert str((root / "single" / "model.safetensors").resolve()) not in Path("/proc/self/maps").read_text()
+    tables = {p["block"] for p in plan.placement if p["kind"] == "embed" and p["weights"] == "cpu"}
+    assert tables == {"embed"}  # ngl:1 keeps the embedding in DRAM
     for p in plan.placement:
-        assert residency.blocks[p["block"]].flat.numel() * 4 == p["weight_bytes"]
-    assert sum(b.flat.numel() for b in residency.blocks.values()) == sum(t.numel() for t in model.parameters())
+        placed = residency.blocks[p["block"]].flat.numel() * 4
+        assert placed == (0 if p["block"] in tables else p["weight_bytes"])
+    tok = residency.blocks["embed"].tensors["tok"]
+    ids = torch.tensor([[5, 0, 127, 5]])
+    assert torch.equal(lookup(tok, ids), model.model.embed_tokens.weight[ids])
+    placed = sum(b.flat.numel() for b in residency.blocks.values())
+    assert placed == sum(t.numel() for t in model.parameters()) - model.model.embed_tokens.weight.numel()
+
+
+def test_a_table_read_from_the_file_looks_rows_up_as_torch_does(setup):
+    """``FileTable``: rows, repeated ids, any shape of ids, slices, an empty lookup; an id outside
+    the table is an IndexError as ``F.embedding``'s is."""
+    root, model = setup
+    source = Checkpoint(root / "single")
+    spec = next(t for t in backend_for(plan_for(root / "single", root / "node.yaml").model).block_tensors("embed", "embed", None)
+                if t.local == "tok")
+    table, ref = source.table(spec), model.model.embed_tokens.weight
+    for ids in (torch.tensor([3]), torch.tensor([[1, 1, 2], [127, 0, 1]]), torch.tensor([], dtype=torch.long)):
+        assert torch.equal(lookup(table, ids), torch.nn.functional.embedding(ids, ref))
+    assert torch.equal(table[10:13], ref[10:13]) and table[5:5].shape == (0, 64)
+    with pytest.raises(IndexError):
+        lookup(table, torch.tensor([128]))
+    with pytest.raises(IndexError):
+        lookup(table, torch.tensor([-1]))
 
 
 def test_random_weights_are_what_transformers_computes_with_the_same_values(setup):

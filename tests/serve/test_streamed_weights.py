@@ -72,7 +72,7 @@ def spy_stages(engine, monkeypatch) -> list:
     calls, real = [], engine.model.backend.run
 
     def run(call):
-        ptrs = {t.untyped_storage().data_ptr() for t in call.weights.values()}
+        ptrs = {t.untyped_storage().data_ptr() for t in call.weights.values() if isinstance(t, torch.Tensor)}
         calls.append((call.block, call.device, ptrs))
         return real(call)
 
