@@ -126,33 +126,35 @@ class _Watch:
 
     def __init__(self, procs: list, said):
         self.procs, self.said, self.broken = procs, said, None
+        self.lines: dict = {}
+        """replica -> what it said before it ended (its first line)."""
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
 
     def failed(self) -> str | None:
-        """The line of the first replica that ended, or None while every one runs."""
-        lines = {}
-        while not self.said.empty():
-            r, text = self.said.get()
-            lines.setdefault(r, text)
+        """What the first replica that ended said (or how its process ended), or None while
+        every one runs."""
+        self._read()
         for r, p in enumerate(self.procs):
             if p.exitcode is not None:
                 time.sleep(WATCH_S)   # what it said before it ended comes through the queue
-                while not self.said.empty():
-                    q, text = self.said.get()
-                    lines.setdefault(q, text)
-                how = lines.get(r) or (f"replica {r} was killed by {signal.Signals(-p.exitcode).name}"
-                                       if p.exitcode < 0 else f"replica {r} exited with status {p.exitcode}")
-                return f"{how}; every replica was stopped, the requests in flight ended with an error"
+                self._read()
+                return self.lines.get(r) or (f"replica {r} was killed by {signal.Signals(-p.exitcode).name}"
+                                        if p.exitcode < 0 else f"replica {r} exited with status {p.exitcode}")
         return None
+
+    def _read(self) -> None:
+        while not self.said.empty():
+            r, text = self.said.get()
+            self.lines.setdefault(r, text)
 
     def start(self, on_failure) -> None:
         def watch():
             while not self._stopping.is_set():
                 line = self.failed()
                 if line is not None and not self._stopping.is_set():   # not one that stop() ended
-                    self.broken = line
+                    self.broken = f"{line}; every replica was stopped, the requests in flight ended with an error"
                     self.stop()   # first: the front's requests in flight fail at once
                     on_failure()
                     return
@@ -189,7 +191,7 @@ def _wait_ready(urls: list, watch: _Watch, timeout_s: float) -> None:
     while waiting:
         line = watch.failed()
         if line is not None:
-            raise HetplanError(line.partition(";")[0] + "; every replica was stopped before serving")
+            raise HetplanError(line)
         for r in sorted(waiting):
             try:
                 if httpx.get(urls[r] + "/health", timeout=2).status_code == 200:

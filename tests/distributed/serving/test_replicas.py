@@ -240,3 +240,15 @@ def test_the_replicas_metrics_are_summed_sample_by_sample_then_each_labelled():
         'hetplan_ttft_seconds_sum{replica="0"} 0.25',
         'hetplan_requests_running{replica="1"} 1', 'hetplan_ttft_seconds_bucket{le="0.5",replica="1"} 4',
         'hetplan_ttft_seconds_sum{replica="1"} 0.5']
+
+
+def test_replicas_that_cannot_load_their_weights_stop_in_one_line(two_replicas, tmp_path):
+    plan_path, _, _ = two_replicas
+    missing = tmp_path / "no-such-checkpoint"
+    out = subprocess.run([sys.executable, "-m", "hetplan", "serve", str(plan_path), "--weights", str(missing),
+                          "--port", "0", "--emulate", "--dist-timeout", "120"], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 2, out.stderr
+    (line,) = errors(out.stderr)
+    assert re.match(r"hetplan: error: replica [01]: ", line) and str(missing) in line, line
+    assert "Traceback" not in out.stderr and "hetplan serve:" not in out.stderr
