@@ -1,7 +1,7 @@
 """N concurrent HTTP requests served by two replicas (``hetplan serve`` on a plan with
 ``pipeline.replicas`` = 2: a front and two replica processes) against one process, on this CPU.
 
-    python -W ignore bench/serve_replicas.py [--work DIR] [--requests 8] [--prompt 32] [--gen 32] [--reps 2]
+    python -W ignore bench/http_replicas.py [--work DIR] [--requests 8] [--prompt 32] [--gen 32] [--reps 2]
 
 The model is ``serve_pipeline``'s Llama (hidden 1024, 8 layers, fp32, random weights, 427 MB;
 each process makes its own). Two serving plans of it are compiled (``compile_serving``, as
@@ -91,7 +91,7 @@ def main() -> None:
     from hetplan.runtime.serve.api.server import free_port
     from hetplan.serving import ServingRequest, compile_serving
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="serve_replicas_"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="http_replicas_"))
     (work / "model").mkdir(parents=True, exist_ok=True)
     (work / "model" / "config.json").write_text(json.dumps(CONFIG))
     plans = {}
