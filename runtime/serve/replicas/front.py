@@ -79,7 +79,10 @@ class Front:
             self.in_flight[i] -= 1
 
     async def models(self, request: Request):
-        r = await self.client.get(self.urls[0] + "/v1/models", timeout=HEALTH_TIMEOUT_S)
+        try:
+            r = await self.client.get(self.urls[0] + "/v1/models", timeout=HEALTH_TIMEOUT_S)
+        except httpx.TransportError as e:
+            return _failed(0, e)
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     async def _each(self, path: str) -> list:

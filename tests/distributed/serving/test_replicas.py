@@ -139,6 +139,7 @@ def test_six_requests_through_two_replicas_get_transformers_greedy_tokens_and_bo
         assert metric(metrics, 'hetplan_kv_blocks{tier="gpu"}') == 2 * metric(
             metrics, 'hetplan_kv_blocks{tier="gpu",replica="0"}')
         assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["object"] == "model"
         # a streamed request, its events relayed as the replica sends them
         p, ref = items[3]
         text, finish = "", None
