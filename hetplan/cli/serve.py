@@ -110,7 +110,7 @@ def _serve_replicas(plan, plan_path, weights, settings, host, port, emulate, see
         pool_blocks(settings, stages)   # refused here, before any process starts, as one pipeline's launch does
     running_in = {"cuda": "GPU", "emulated": "emulated GPU", "cpu": "DRAM"}[choose_mode(stage_plan(plan, 0), emulate)]
     each = (f"a pipeline of {stages} stages, one process each" if stages > 1 else
-            f"{'one GPU' if running_in == 'GPU' else 'one ' + running_in} in one process")
+            f"one {running_in} in one process")
     gpus = (pp.get("replica_step") or {}).get("gpus")
 
     def ready():
