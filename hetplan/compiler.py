@@ -70,6 +70,10 @@ class CompileRequest:
     """Routing statistics of an MoE model: a file path (``--routing``) or the parsed document
     (what a plan records, so that it recompiles without the file)."""
     dump_lp: str | None = None
+    replicas: int = 1
+    """Alike groups of a node's (or cluster's) devices the plan runs as many replicas of one
+    pipeline (``hetplan.pipeline.replicas``): set by ``compile --serve``'s search, which weighs
+    every count; not an option of its own, and not recorded (``check`` searches again)."""
     notes: list = field(default_factory=list, compare=False)
     """Messages for the user (e.g. which dtype ``auto`` chose); filled while compiling."""
 
@@ -77,7 +81,7 @@ class CompileRequest:
         """The request as a plan records it: ``routing`` (RoutingStats) replaces the path by its
         document; keys at their default ``None`` that older plans lack are left out."""
         d = dataclasses.asdict(self)
-        for k in ("notes", "dump_lp"):
+        for k in ("notes", "dump_lp", "replicas"):
             d.pop(k)
         d.pop("routing")
         if routing is not None:
@@ -114,6 +118,18 @@ def parse_strategy(text: str) -> tuple[str, int | str | None]:
 
 def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
     """The model and the machine: a HardwareSpec, or a ``Topology`` for a cluster."""
+    hw = load_machine(req)
+    dtype = None if req.weight_dtype == "auto" else req.weight_dtype
+    spec = load_model(req.model, dtype, req.kv_dtype)
+    if "gguf" in spec.extra:
+        from hetplan.frontends.gguf.held import describe
+        req.notes.append(describe(spec))
+    return spec, hw
+
+
+def load_machine(req: CompileRequest):
+    """The machine of ``req.hw`` with ``--gpu-mem`` and ``--cpu-mem`` applied: a HardwareSpec, or
+    a ``Topology`` for a cluster."""
     from hetplan.pipeline.cluster import load_hardware
     from hetplan.pipeline.compile import with_gpu_budgets
 
@@ -124,13 +140,13 @@ def load_inputs(req: CompileRequest) -> tuple[ModelSpec, HardwareSpec]:
             raise HetplanError(f"--cpu-mem {req.cpu_mem}: more than the {node.cpu.name} of node {node.name!r} has "
                                f"({format_bytes(node.cpu.memory_bytes)} in all); give at most that, or describe "
                                f"the real machine in a node.yaml")
-    hw = with_gpu_budgets(hw, req.gpu_mem, cpu_mem)
-    dtype = None if req.weight_dtype == "auto" else req.weight_dtype
-    spec = load_model(req.model, dtype, req.kv_dtype)
-    if "gguf" in spec.extra:
-        from hetplan.frontends.gguf.held import describe
-        req.notes.append(describe(spec))
-    return spec, hw
+    return with_gpu_budgets(hw, req.gpu_mem, cpu_mem)
+
+
+def several_devices(hw, strategy: str) -> bool:
+    """Whether ``hw`` is planned as a pipeline over several devices (``_compile_devices``): a
+    cluster, or a node with several GPUs under ``--strategy ilp`` (another strategy plans GPU 0)."""
+    return isinstance(hw, Topology) or (len(hw.gpus) > 1 and strategy == "ilp")
 
 
 def _compile_devices(spec, hw, req: CompileRequest, strategy: str, routing) -> tuple[Plan, float]:
@@ -272,7 +288,7 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
         routing = load_request_routing(req, spec)
     if req.stream_cold_experts and not spec.is_moe:
         raise HetplanError(f"--stream-cold-experts: model {spec.name!r} has no experts to stream; drop the flag")
-    if isinstance(hw, Topology) or (len(hw.gpus) > 1 and strategy == "ilp"):
+    if several_devices(hw, strategy):
         plan, solve_s = _compile_devices(spec, hw, req, strategy, routing)
         return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
     if spec.n_layers > BOUND_FIRST_LAYERS:

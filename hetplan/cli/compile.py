@@ -189,8 +189,12 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     if plan.serving is not None:
         sv = plan.serving
         at = max((p for p in sv["curve"] if p["batch"] <= sv["batch"]), key=lambda p: p["batch"])
-        click.echo(f"  serving: running batch <= {sv['batch']}, {at['throughput_tokens_per_s']:.2f} tok/s at "
-                   f"{at['arrival_rate_per_s']:.3g} requests/s; KV blocks of {sv['block_tokens']} tokens: "
+        r = (plan.pipeline or {}).get("replicas") or 1
+        each = (f"{r} replicas, each: " if r > 1 else "")
+        together = (f" ({r * at['throughput_tokens_per_s']:.2f} tok/s at {r * at['arrival_rate_per_s']:.3g} "
+                    f"requests/s all together)" if r > 1 else "")
+        click.echo(f"  serving: {each}running batch <= {sv['batch']}, {at['throughput_tokens_per_s']:.2f} tok/s at "
+                   f"{at['arrival_rate_per_s']:.3g} requests/s{together}; KV blocks of {sv['block_tokens']} tokens: "
                    f"{sv['gpu_blocks']} running, {sv['cpu_blocks']} in DRAM; CPU attention "
                    f"{'on' if sv['cpu_attention'] else 'off'} (`hetplan show` draws the curve)")
     if rows is not None:

@@ -2,7 +2,10 @@
 
 The engine's sizes come from the plan (``hetplan.runtime.serve.settings``) unless a flag sets
 them. A plan with a pipeline is served by one process per stage
-(``hetplan.runtime.serve.pipeline``); replicas of a pipeline are refused. Needs the runtime (torch) and the ``serve`` extra (starlette, uvicorn).
+(``hetplan.runtime.serve.pipeline``); a plan with replicas by one process per replica (each
+with its stages' processes) behind a front that deals the requests among them
+(``hetplan.runtime.serve.replicas``). Needs the runtime (torch) and the ``serve`` extra
+(starlette, uvicorn, httpx).
 """
 
 from __future__ import annotations
@@ -51,15 +54,18 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
     """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics. A plan with
     a pipeline runs one process per stage (spawned here, or one torchrun process each)."""
     plan = load_plan(plan_path)
-    if pipelined(plan):
-        from hetplan.runtime.serve.pipeline.launch import refuse_replicas
-        refuse_replicas(plan, plan_path)
+    replicas = (plan.pipeline or {}).get("replicas") or 1
+    if replicas > 1:
+        from hetplan.runtime.serve.replicas.launch import refuse_unserved
+        refuse_unserved(plan, plan_path)
     require_torch("serve")
     try:
         import uvicorn  # noqa: F401
         import starlette  # noqa: F401
+        import httpx  # noqa: F401
     except ImportError:
-        raise HetplanError("hetplan serve needs starlette and uvicorn; run `pip install -e '.[runtime,serve]'`") from None
+        raise HetplanError("hetplan serve needs starlette, uvicorn and httpx; run "
+                           "`pip install -e '.[runtime,serve]'`") from None
     from hetplan.runtime.serve.api.server import serve_forever
     from hetplan.runtime.serve.load import load_engine
     from hetplan.runtime.serve.settings import settings_for
@@ -67,6 +73,9 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
     settings = settings_for(plan, block_tokens=block_tokens, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                             max_batch=max_batch, max_waiting=max_waiting, max_context=max_context,
                             prefill_chunk=prefill_chunk, cpu_attention=cpu_attention)
+    if replicas > 1:
+        _serve_replicas(plan, plan_path, weights, settings, host, port, emulate, seed, dist_timeout)
+        return
     with step("loading the model"):
         if pipelined(plan):
             from hetplan.runtime.serve.pipeline.launch import start_engine
@@ -87,3 +96,31 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
                f"{engine.pool.alloc.n_blocks['cpu']} for swapped ones (DRAM); batch <= {settings.max_batch}, "
                f"queue <= {settings.max_waiting}", err=True)
     serve_forever(engine, host, port, name)
+
+
+def _serve_replicas(plan, plan_path, weights, settings, host, port, emulate, seed, dist_timeout) -> None:
+    from hetplan.pipeline.record import stage_plan
+    from hetplan.runtime.serve.pipeline.groups import pool_blocks
+    from hetplan.runtime.serve.replicas.launch import serve_replicas
+    from hetplan.runtime.session import choose_mode
+
+    pp = plan.pipeline
+    replicas, stages = pp["replicas"], len(pp["stages"])
+    if stages > 1:
+        pool_blocks(settings, stages)   # refused here, before any process starts, as one pipeline's launch does
+    running_in = {"cuda": "GPU", "emulated": "emulated GPU", "cpu": "DRAM"}[choose_mode(stage_plan(plan, 0), emulate)]
+    each = (f"a pipeline of {stages} stages, one process each" if stages > 1 else
+            f"one {running_in} in one process")
+    gpus = (pp.get("replica_step") or {}).get("gpus")
+
+    def ready():
+        quiet()
+        click.echo(f"hetplan serve: {replicas} replicas of {whole_model(plan).name} on http://{host}:{port}, each "
+                   f"{each}" + (f" on {gpus} GPU(s) of its own" if gpus else "") + "; requests go to the replica "
+                   f"with the fewest in flight; each replica: KV blocks of {settings.block_tokens} tokens: "
+                   f"{settings.gpu_blocks} for running requests ({running_in}), {settings.cpu_blocks} for swapped "
+                   f"ones (DRAM); batch <= {settings.max_batch}, queue <= {settings.max_waiting}", err=True)
+
+    with step(f"loading the model in {replicas} replicas"):   # ready() quiets the heartbeat
+        serve_replicas(plan, plan_path, weights, settings, host, port, emulate=emulate, seed=seed,
+                       timeout_s=dist_timeout, on_ready=ready)

@@ -36,7 +36,7 @@ def command(plan_path, timeline, trace):
     click.echo(render_show(plan), nl=False)
     if plan.serving is not None:
         from hetplan.serving.report import serving_section
-        click.echo("\n" + serving_section(plan.serving), nl=False)
+        click.echo("\n" + serving_section(plan.serving, (plan.pipeline or {}).get("replicas") or 1), nl=False)
     if timeline:
         with step(f"drawing the timeline {timeline}"):
             write_timeline(plan, timeline)

@@ -105,11 +105,14 @@ def compile_pipeline(spec, hw, req, routing=None):
     batches = [1 << i for i in range(req.batch.bit_length()) if 1 << i <= req.batch] \
         if req.objective == "throughput" else [req.batch]
     solve = stage_solver(req, moe_stages=True)
-    best, failure = best_batch(spec, topo, req, batches, solve, objective)
-    if best is not None and objective == "max":
-        best = best_replicas(spec, topo, best, solve)
-    if best is None:
-        raise failure
+    if req.replicas > 1:   # the replica count given (``compile --serve`` weighs each): one batch, no search
+        best = replicated(spec, topo, req.replicas, _workload(req), solve, objective)
+    else:
+        best, failure = best_batch(spec, topo, req, batches, solve, objective)
+        if best is not None and objective == "max":
+            best = best_replicas(spec, topo, best, solve)
+        if best is None:
+            raise failure
     _note(best, topo, req)
     record = best.to_dict()
     with progress.step("pricing llama.cpp's --split-mode layer over the same devices"):
@@ -174,8 +177,9 @@ BOUND_ROUNDING = 1e-9
 order than the price it bounds may round a few ulps above it."""
 
 
-def replicated(spec, topo: Topology, r: int, wl, solve) -> PipelinePlan:
-    """``r`` replicas of the best throughput pipeline over the first of ``r`` alike groups of
+def replicated(spec, topo: Topology, r: int, wl, solve, objective: str = "max") -> PipelinePlan:
+    """``r`` replicas of the best pipeline (``objective``: ``max``, throughput; ``sum``, latency,
+    what each replica of a serving plan minimises) over the first of ``r`` alike groups of
     ``topo``'s devices (``hetplan.pipeline.replicas``); InfeasibleError when the devices do not
     cut into ``r`` alike groups, a group holds no pipeline, or the replicas' DRAM does not fit."""
     from hetplan.pipeline.replicas import first_group, replica_step, replicas_fit_dram
@@ -185,7 +189,7 @@ def replicated(spec, topo: Topology, r: int, wl, solve) -> PipelinePlan:
         raise InfeasibleError(f"the devices of {topo.name!r} do not cut into {r} alike groups; choose a replica "
                               f"count that does")
     with progress.step(f"choosing pipeline stages for {r} replicas over {len(group.devices)} devices each"):
-        pp = plan_pipeline(spec, group, wl, solve, "max")
+        pp = plan_pipeline(spec, group, wl, solve, objective)
     if not replicas_fit_dram(topo, r, pp.stages):
         raise InfeasibleError(f"{spec.name}: {r} replicas of the pipeline do not fit in the DRAM of "
                               f"{topo.name!r} together")
@@ -226,8 +230,9 @@ def _note(pp: PipelinePlan, topo: Topology, req) -> None:
             f"{pred['decode_tokens_per_s']:.3g} tok/s")
     if pp.replicas > 1:
         line = (f"{pp.replicas} replicas of a pipeline over {len(pp.stages)} device(s) each (the first: {used}): "
-                f"decode {pred['decode_tokens_per_s']:.3g} tok/s, {pred['pipelined_decode_tokens_per_s']:.3g} "
-                f"with micro-batches, all replicas together")
+                f"decode {pred['decode_tokens_per_s']:.3g} tok/s"
+                + (f", {pred['pipelined_decode_tokens_per_s']:.3g} with micro-batches" if pp.objective == "max" else "")
+                + ", all replicas together")
     if pp.alone is not None:
         ratio = pp.alone[0] * pp.replicas / pp.objective_s()
         line += (f", {ratio:.2f}x the best single device" if pp.alone[1]

@@ -71,7 +71,8 @@ def request_of(plan: Plan, source: str) -> CompileRequest:
     if not isinstance(args, dict):
         raise HetplanError(f"{source}: the plan records no inputs.cli_args, so it cannot be recompiled; "
                            f"compile it with `hetplan compile`")
-    known = {f.name for f in dataclasses.fields(CompileRequest) if f.init and f.name not in ("notes", "dump_lp")}
+    known = {f.name for f in dataclasses.fields(CompileRequest)
+             if f.init and f.name not in ("notes", "dump_lp", "replicas")}
     unknown = set(args) - known
     if unknown:
         raise HetplanError(f"{source}: inputs.cli_args has unknown keys {sorted(unknown)}; accepted: "

@@ -10,6 +10,12 @@ same ``build_problem``, schedule and predictions as any plan), with:
   that keeps ``b`` requests in the system when each stays ``ttft_s + gen_len * tpot_s``;
 - ``fits``: the placement's memory, with the KV of ``b`` full contexts, within both budgets;
 - ``meets_slo``: ``tpot_s`` and ``ttft_s`` within the SLOs given (None: no limit).
+
+A plan with a pipeline of several stages is replayed stage by stage (each stage's own decision
+on its own device at ``b`` sequences) and link by link (the hidden state of ``b`` sequences over
+the link's legs, ``sum(bytes / bytes_per_s + latency_s)``): ``ttft_s`` and ``tpot_s`` are every
+stage and link in turn, ``fits`` every stage. With replicas, every point is one replica's: the
+whole serves ``pipeline.replicas`` times its throughput and arrival rate.
 """
 
 from __future__ import annotations
@@ -44,11 +50,41 @@ def point(batch: int, ttft_s: float, tpot_s: float, gen_len: int, fit: bool, slo
 
 def curve(plan, batches: list, slo: tuple) -> list:
     """``plan``'s decision priced at each of ``batches`` -> points (see the module doc)."""
-    dec, routing = plan.decision(), routing_of_plan(plan)
+    stages = (plan.pipeline or {}).get("stages") or []
+    at = _pipeline_at if len(stages) > 1 else _plan_at
     points = []
     for b in batches:
-        wl = dataclasses.replace(plan.workload, batch=b)
-        at_b = make_plan(build_problem(plan.model, plan.hardware, wl, routing=routing), dec, plan.solver)
-        p = at_b.predicted
-        points.append(point(b, p["ttft_s"], p["tpot_s"], wl.gen_len, fits(at_b), slo))
+        ttft_s, tpot_s, fit = at(plan, dataclasses.replace(plan.workload, batch=b))
+        points.append(point(b, ttft_s, tpot_s, plan.workload.gen_len, fit, slo))
     return points
+
+
+def _plan_at(plan, wl) -> tuple:
+    """(ttft_s, tpot_s, fits) of ``plan``'s decision on ``wl``."""
+    at_b = make_plan(build_problem(plan.model, plan.hardware, wl, routing=routing_of_plan(plan)), plan.decision(),
+                     plan.solver)
+    return at_b.predicted["ttft_s"], at_b.predicted["tpot_s"], fits(at_b)
+
+
+def _pipeline_at(plan, wl) -> tuple:
+    """(ttft_s, tpot_s, fits) of ``plan``'s pipeline on ``wl``: each stage's decision replayed on
+    its device, each link's legs carrying ``wl``'s hidden state."""
+    from hetplan.pipeline.record import stage_plan, whole_model
+    from hetplan.pipeline.stages import device_problem, hidden_bytes
+
+    pp, spec = plan.pipeline, whole_model(plan)
+    ttft_s = tpot_s = 0.0
+    fit = True
+    for i, st in enumerate(pp["stages"]):
+        own = stage_plan(plan, i)
+        first, end = st["layers"]
+        problem = device_problem(spec, own.hardware, wl, first, end, pp.get("micro_batches") or 1)
+        at_b = make_plan(problem, own.decision(), own.solver)
+        ttft_s, tpot_s, fit = ttft_s + at_b.predicted["ttft_s"], tpot_s + at_b.predicted["tpot_s"], fit and fits(at_b)
+    for link in pp["links"]:
+        for phase in ("prefill", "decode"):
+            nbytes = hidden_bytes(spec, wl, phase)
+            s = link[f"{phase}_s"] if link.get("legs") is None else sum(   # an older plan: as recorded
+                nbytes / leg["bytes_per_s"] + leg["latency_s"] for leg in link["legs"])
+            ttft_s, tpot_s = (ttft_s + s, tpot_s) if phase == "prefill" else (ttft_s, tpot_s + s)
+    return ttft_s, tpot_s, fit

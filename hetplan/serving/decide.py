@@ -1,13 +1,20 @@
-"""Choose the serving plan: the running batch (and its placement) with the most throughput whose
-predicted TPOT and TTFT meet the SLOs.
+"""Choose the serving plan: the replica count and running batch (and its placement) with the
+most throughput whose predicted TPOT and TTFT meet the SLOs.
 
 For each batch ``b`` in 1, 2, 4, ... up to ``--max-batch``, the model is compiled as any plan is
 (``hetplan.compiler.compile_plan``, objective latency: TTFT + gen_len x TPOT at ``b`` sequences);
-the search stops at the first batch that does not fit. Among the batches whose plan meets the
-SLOs, the one with the most ``throughput_tokens_per_s`` wins (the smaller batch on a tie). Its
-placement is replayed at every batch for the curve (``hetplan.serving.curve``) and the engine is
-sized around it (``hetplan.serving.pools``). No batch meeting the SLOs is an error naming the SLO
-and the value that would meet it.
+the search stops at the first batch that does not fit. On a machine of several devices (a node
+with several GPUs, a cluster) the search runs once for the whole machine (one pipeline) and once
+per replica count ``r`` that cuts it into alike groups (``hetplan.pipeline.replicas``): each
+replica is the pipeline (or the single device) planned on the first group, serving its own
+requests. A replica's TTFT and TPOT are its own (a pipeline's: every stage and link in turn); the
+whole serves ``r`` times one replica's ``throughput_tokens_per_s`` (the replicas share nothing
+the cost model prices but DRAM, which ``replicas_fit_dram`` checks). Among the (``r``, ``b``)
+whose replica meets the SLOs, the most total throughput wins (fewer replicas, then the smaller
+batch, on a tie). The winner's placement is replayed at every batch for the curve (one
+replica's: ``hetplan.serving.curve``) and each replica's engine is sized around it
+(``hetplan.serving.pools``; replicas on one node split its DRAM pool). No batch meeting the SLOs
+is an error naming the SLO and the value that would meet it.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from hetplan.compiler import CompileRequest, CompileTime, compile_plan
+from hetplan.compiler import CompileRequest, CompileTime, compile_plan, load_machine, parse_strategy, several_devices
 from hetplan.errors import HetplanError, InfeasibleError
+from hetplan.pipeline.replicas import replica_counts
+from hetplan.pipeline.topology import Topology
 from hetplan.serving.curve import batches_up_to, curve, meets
 from hetplan.serving.pools import size_pools
 
@@ -47,11 +56,27 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
 
 
+def replica_times(plan) -> dict:
+    """One replica's ``ttft_s``, ``tpot_s`` and ``throughput_tokens_per_s`` (``b x gen_len /
+    (ttft + gen_len x tpot)``): the plan's own, or its pipeline's (every stage and link in turn)."""
+    if plan.pipeline is None:
+        return {k: plan.predicted[k] for k in ("ttft_s", "tpot_s", "throughput_tokens_per_s")}
+    p, wl = plan.pipeline["predicted"], plan.workload
+    return {"ttft_s": p["ttft_s"], "tpot_s": p["tpot_s"],
+            "throughput_tokens_per_s": wl.batch * wl.gen_len / p["latency_s"]}
+
+
+def replicas_of(plan) -> int:
+    return ((plan.pipeline or {}).get("replicas") or 1)
+
+
 def slo_error(sreq: ServingRequest, plans: list) -> HetplanError:
     """The one-line error when no compiled batch meets the SLOs: which SLO, and what would."""
-    fastest_tpot = min(plans, key=lambda p: p.predicted["tpot_s"])
-    fastest_ttft = min(plans, key=lambda p: p.predicted["ttft_s"])
-    t_tpot, t_ttft = fastest_tpot.predicted["tpot_s"], fastest_ttft.predicted["ttft_s"]
+    def t(p, key):
+        return replica_times(p)[key]
+    fastest_tpot = min(plans, key=lambda p: t(p, "tpot_s"))
+    fastest_ttft = min(plans, key=lambda p: t(p, "ttft_s"))
+    t_tpot, t_ttft = t(fastest_tpot, "tpot_s"), t(fastest_ttft, "ttft_s")
     if sreq.slo_tpot_s is not None and t_tpot > sreq.slo_tpot_s:
         return HetplanError(f"--slo-tpot {_ms(sreq.slo_tpot_s)} ms: no plan decodes that fast on this machine; the "
                             f"fastest (batch {fastest_tpot.workload.batch}) takes {_ms(t_tpot)} ms per token; pass "
@@ -60,11 +85,40 @@ def slo_error(sreq: ServingRequest, plans: list) -> HetplanError:
         return HetplanError(f"--slo-ttft {_ms(sreq.slo_ttft_s)} ms: no plan prefills the {fastest_ttft.workload.prompt_len}"
                             f"-token prompt that fast; the fastest (batch {fastest_ttft.workload.batch}) takes "
                             f"{_ms(t_ttft)} ms; pass --slo-ttft {_ms(t_ttft)} or more, or a shorter --prompt-len")
-    within = [p for p in plans if p.predicted["tpot_s"] <= sreq.slo_tpot_s]
-    best = min(within, key=lambda p: p.predicted["ttft_s"])
+    within = [p for p in plans if t(p, "tpot_s") <= sreq.slo_tpot_s]
+    best = min(within, key=lambda p: t(p, "ttft_s"))
     return HetplanError(f"--slo-tpot {_ms(sreq.slo_tpot_s)} ms with --slo-ttft {_ms(sreq.slo_ttft_s)} ms: no batch "
-                        f"meets both; within the TPOT SLO the fastest prefill takes {_ms(best.predicted['ttft_s'])} ms "
-                        f"(batch {best.workload.batch}); pass --slo-ttft {_ms(best.predicted['ttft_s'])} or more")
+                        f"meets both; within the TPOT SLO the fastest prefill takes {_ms(t(best, 'ttft_s'))} ms "
+                        f"(batch {best.workload.batch}); pass --slo-ttft {_ms(t(best, 'ttft_s'))} or more")
+
+
+def replica_options(req: CompileRequest) -> list:
+    """The replica counts the search weighs: 1 (one pipeline over the whole machine, or its one
+    device), and on a machine planned over several devices every ``r`` that cuts it into alike
+    groups (``replica_counts``)."""
+    hw = load_machine(req)
+    if not several_devices(hw, parse_strategy(req.strategy)[0]):
+        return [1]
+    return [1] + replica_counts(Topology.of(hw))
+
+
+def _batches(req: CompileRequest, sreq: ServingRequest, r: int) -> tuple:
+    """The plans of ``r`` replicas at batches 1, 2, 4, ... up to the first that does not fit ->
+    (plans, the first batch's notes, solve seconds); InfeasibleError when batch 1 does not fit."""
+    plans, notes, solve_s = [], [], 0.0
+    for b in batches_up_to(sreq.max_batch):
+        one = dataclasses.replace(req, batch=b, objective="latency", replicas=r, notes=[])
+        try:
+            plan, took = compile_plan(one)
+        except InfeasibleError:
+            if not plans:
+                raise
+            break
+        if not plans:
+            notes = one.notes
+        plans.append(plan)
+        solve_s += took.solve_s
+    return plans, notes, solve_s
 
 
 def compile_serving(req: CompileRequest, sreq: ServingRequest):
@@ -74,31 +128,38 @@ def compile_serving(req: CompileRequest, sreq: ServingRequest):
         raise HetplanError(f"--max-context {context}: less than --prompt-len + --gen-len "
                            f"({req.prompt_len + req.gen_len}) that the plan is priced at; raise it or shorten those")
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    plans, solve_s = [], 0.0
-    for b in batches_up_to(sreq.max_batch):
-        one = dataclasses.replace(req, batch=b, objective="latency", notes=[])
+    searches, solve_s = {}, 0.0
+    for r in replica_options(req):
         try:
-            plan, took = compile_plan(one)
+            plans, notes, took = _batches(req, sreq, r)
         except InfeasibleError:
-            if not plans:
+            if r == 1:
                 raise
-            break
-        if not plans:
-            req.notes.extend(one.notes)
-        plans.append(plan)
-        solve_s += took.solve_s
+            continue  # a group holds less than the whole machine: more replicas may fit no better
+        searches[r] = (plans, notes)
+        solve_s += took
+    plans = [p for found, _ in searches.values() for p in found]
     if context > plans[0].model.max_positions:
         raise HetplanError(f"--max-context {context}: model {plans[0].model.name!r} has "
                            f"{plans[0].model.max_positions} positions; pass at most that")
     slo = (sreq.slo_tpot_s, sreq.slo_ttft_s)
-    ok = [p for p in plans if meets(p.predicted["tpot_s"], p.predicted["ttft_s"], *slo)]
+    ok = [p for p in plans if meets(replica_times(p)["tpot_s"], replica_times(p)["ttft_s"], *slo)]
     if not ok:
         raise slo_error(sreq, plans)
-    best = max(ok, key=lambda p: (p.predicted["throughput_tokens_per_s"], -p.workload.batch))
-    pools = size_pools(best, sreq.max_batch, context)
+    best = max(ok, key=lambda p: (replicas_of(p) * replica_times(p)["throughput_tokens_per_s"], -replicas_of(p),
+                                  -p.workload.batch))
+    req.notes.extend(searches[replicas_of(best)][1])
+    pools = size_pools(best, sreq.max_batch, context, dram_sharers(best))
     serving = {"max_batch": sreq.max_batch, "max_context": context,
                "slo": {"tpot_s": sreq.slo_tpot_s, "ttft_s": sreq.slo_ttft_s},
                "batch": min(best.workload.batch, pools["gpu_blocks"]), **pools,
                "curve": curve(best, batches_up_to(sreq.max_batch), slo)}
     plan = dataclasses.replace(best, serving=serving)
     return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
+
+
+def dram_sharers(plan) -> int:
+    """Replicas sharing one node's DRAM: all of them when side by side on one node
+    (``replica_step.gpus``), 1 when each has nodes of its own, or without replicas."""
+    step = (plan.pipeline or {}).get("replica_step") or {}
+    return replicas_of(plan) if "gpus" in step else 1

@@ -8,8 +8,8 @@ one) or the DRAM tier that swapped-out requests occupy. With ``t = n_layers * kv
   ``used`` is what the plan puts there (weights, staging, workspace, its KV for the batch) and
   ``kv`` that KV: everything the plan leaves free goes to the pool, and never more than the
   ``N`` longest requests can fill;
-- DRAM pool tokens (a node with a GPU): the same over the CPU budget, room to swap every
-  running request out; none without a GPU (the running tier already is DRAM: a preempted
+- DRAM pool tokens (a node with a GPU): the same over the CPU budget (its ``1 / r`` share for
+  each of ``r`` replicas on one node), room to swap every running request out; none without a GPU (the running tier already is DRAM: a preempted
   request's cache is recomputed);
 - block size: the largest of 16, 32, 64, 128 positions whose worst waste, ``N * (block - 1)``
   positions in the last, partly filled block of each running request, is at most 1/32 of the
@@ -55,13 +55,15 @@ def cpu_attention_seconds(spec, hw, context: float) -> float:
     return spec.n_layers * per_layer
 
 
-def size_pools(plan, max_batch: int, max_context: int) -> dict:
-    """The pools, block size and CPU-attention choice around ``plan`` (see the module doc)."""
+def size_pools(plan, max_batch: int, max_context: int, dram_sharers: int = 1) -> dict:
+    """The pools, block size and CPU-attention choice around ``plan`` (see the module doc), for
+    one of ``dram_sharers`` replicas sharing the node's DRAM: each gets ``budget / dram_sharers``
+    of it (the replicas' plans together fit: ``replicas_fit_dram``)."""
     spec, hw, m = plan.model, plan.hardware, plan.memory
     t = spec.n_layers * spec.kv_bytes_per_token()
     cap = max_batch * max_context
     bd = m["breakdown"]
-    cpu_tokens = pool_tokens(m["cpu_budget_bytes"], m["cpu_bytes"], bd["cpu"]["kv"], t, cap)
+    cpu_tokens = pool_tokens(m["cpu_budget_bytes"] / dram_sharers, m["cpu_bytes"], bd["cpu"]["kv"], t, cap)
     if hw.gpus:
         running = pool_tokens(m["gpu_budget_bytes"], m["gpu_bytes"], bd["gpu"]["kv"], t, cap)
         tier = "GPU"

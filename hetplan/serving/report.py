@@ -14,9 +14,12 @@ def _slo_text(slo: dict) -> str:
     return ", ".join(parts) or "none"
 
 
-def serving_section(serving: dict) -> str:
+def serving_section(serving: dict, replicas: int = 1) -> str:
+    """``replicas`` > 1: the sizes and the curve are each replica's; the whole serves that many times."""
     s = serving
-    lines = [f"serving plan (hetplan serve): running batch <= {s['batch']} (of --max-batch {s['max_batch']}), "
+    each = (f"{replicas} replicas, each with its own engine (the figures below are one replica's; all "
+            f"together serve {replicas}x its throughput): " if replicas > 1 else "")
+    lines = [f"serving plan (hetplan serve): {each}running batch <= {s['batch']} (of --max-batch {s['max_batch']}), "
              f"context <= {s['max_context']} tokens, SLOs: {_slo_text(s['slo'])}",
              f"  KV pool: blocks of {s['block_tokens']} tokens ({format_bytes(s['block_bytes'])}); "
              f"{s['gpu_blocks']} running, {s['cpu_blocks']} in DRAM for swapped requests",

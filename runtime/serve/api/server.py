@@ -23,13 +23,7 @@ def serve_forever(engine, host: str, port: int, model_name: str) -> None:
     """Serve until interrupted; the engine steps on its own thread meanwhile. An engine that
     breaks (``broken_event``: a served pipeline whose stage failed) stops the server, and its
     ``broken`` line is raised."""
-    try:
-        with socket.socket() as s:  # a clear error for a port in use, before uvicorn's own log lines
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as e:
-        raise HetplanError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another "
-                           f"--port or stop what holds it") from None
+    check_listen(host, port)
     server = uvicorn.Server(_config(engine, host, port, model_name))
     broken = getattr(engine, "broken_event", None)
     if broken is not None:  # a served pipeline whose stage failed: stop serving, say why
@@ -42,6 +36,18 @@ def serve_forever(engine, host: str, port: int, model_name: str) -> None:
         engine.stop()
     if getattr(engine, "broken", None):
         raise HetplanError(engine.broken)
+
+
+def check_listen(host: str, port: int) -> None:
+    """A clear one-line error for an address this process cannot listen on (a port in use),
+    before uvicorn's own log lines."""
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise HetplanError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another "
+                           f"--port or stop what holds it") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -7,7 +7,8 @@ rank 0 stops; otherwise this process is stage 0 and spawns one process per later
 (``torch.multiprocessing``, a TCP rendezvous on 127.0.0.1), which ignore Ctrl-C (this process
 stops them); the cores are shared out, ``cores // stages`` intra-op threads each. Each process checks this machine holds its stage, places it, and the processes
 agree that every one is ready (``launch.ready``), so a stage that cannot start stops them all,
-each with one line. Replicas of the pipeline are not served. Knows nothing about HTTP.
+each with one line. Replicas of the pipeline are served by ``hetplan.runtime.serve.replicas``, each
+replica's process starting its stages here. Knows nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ from hetplan.runtime.serve.pipeline.stage import StagePart, serve_stage
 from hetplan.runtime.session import RunOptions
 
 def refuse_replicas(plan, plan_path: str) -> None:
-    """Replicas of a pipeline are not served: one line saying what to do."""
+    """A plan of several replicas reaching one pipeline's launch: each replica is started with a
+    plan of its own (``hetplan.runtime.serve.replicas.one_replica``)."""
     r = plan.pipeline.get("replicas") or 1
     if r > 1:
         raise HetplanError(f"{plan_path}: the plan runs {r} replicas of a pipeline of {len(plan.pipeline['stages'])} "
-                           f"stage(s), and hetplan serve runs one pipeline; compile it without `--objective throughput` "
-                           f"(which plans the replicas), or run the replicas with `hetplan exec {plan_path}`")
+                           f"stage(s), and this starts one; serve it with `hetplan serve`, which starts each replica")
 
 
 def start_engine(plan, weights: str, settings, emulate: bool | None = None, seed: int = 0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> PipelineEngine | None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cores: int | None = None) -> PipelineEngine | None:
     """Start every stage -> stage 0's engine, not yet stepping; None in a torchrun process of a
-    later stage, once it has served until stage 0 stopped."""
+    later stage, once it has served until stage 0 stopped. ``cores``: what the stages share out
+    (None: this machine's; a replica of a served plan gets its share)."""
     ranks = Ranks.of(plan.pipeline)
     refuse_replicas(plan, "plan")
     world = ranks.world
@@ -60,7 +62,7 @@ def start_engine(plan, weights: str, settings, emulate: bool | None = None, seed
         rank, init = 0, f"tcp://127.0.0.1:{free_port()}"
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
-        threads = max(1, (os.cpu_count() or 1) // world)
+        threads = max(1, (cores or os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)   # this process computes stage 0: the cores shared out as exec does
         children = [ctx.Process(target=_child, name=f"hetplan-serve-stage-{r}", daemon=False,
                                 args=(plan, r, init, opts, settings, timeout_s, threads)) for r in range(1, world)]

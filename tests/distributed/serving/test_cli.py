@@ -2,12 +2,11 @@
 stage) or under torchrun (one command per stage, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT). It
 says it serves a pipeline, answers, and Ctrl-C stops every process; a stage process killed while
 idle or with a request in flight ends the requests with an error, and the server says one line
-and exits 2 within seconds, every other process with it; replicas of a pipeline, and a GPU tier
-without a block for each group of requests, are refused in one line."""
+and exits 2 within seconds, every other process with it; a GPU tier without a block for each
+group of requests is refused in one line. (Replicas: ``test_replicas``.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import signal
@@ -23,7 +22,7 @@ import torch
 
 from hetplan.runtime.serve.api.server import free_port
 from hetplan.workload import Workload
-from tests.distributed.pipelines import VOCAB, lines_of, pipeline_plan, reference, replicated_plan
+from tests.distributed.pipelines import VOCAB, lines_of, pipeline_plan, reference
 
 WORKLOAD = Workload(2, 16, 24, prefill_chunk=8)
 
@@ -174,20 +173,6 @@ def test_under_torchrun_a_stage_killed_mid_request_ends_it_with_an_error_and_eve
     (line,) = errors(err)
     assert line.startswith("hetplan: error: stage 0: receiving the logits from stage 1 failed: ")
     assert line.endswith("the requests in flight were ended")
-
-
-def test_replicas_of_a_pipeline_are_refused_in_one_line(llama_files, tmp_path):
-    model_dir, node, _ = llama_files
-    path = tmp_path / "two-by-two.json"
-    replicated_plan(model_dir, node, 2, dataclasses.replace(WORKLOAD, objective="throughput"), path, "400KiB")
-    out = subprocess.run([sys.executable, "-m", "hetplan", "serve", str(path), "--weights", str(model_dir),
-                          "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    (line,) = errors(out.stderr)
-    assert line.startswith(f"hetplan: error: {path}: the plan runs 2 replicas of a pipeline of 2 stage(s), and "
-                           f"hetplan serve runs one pipeline;")
-    assert f"`hetplan exec {path}`" in line
-    assert "Traceback" not in out.stderr and "hetplan serve:" not in out.stderr
 
 
 def test_a_gpu_tier_without_a_block_for_each_group_is_refused_in_one_line(two_stages):

@@ -1,0 +1,113 @@
+"""``compile --serve`` on several GPUs weighs replicas: a tiny llama (4 layers, hidden 64, fp32,
+~0.5 MB) on nodes of 2 and 4 alike 64 MiB GPUs, which each hold it, is served by one replica per
+GPU, each replica exactly the plan compiled for one GPU alone (the oracle: the public compile on
+a node.yaml with that GPU only), the whole serving r times its throughput; the DRAM pool of
+replicas on one node is each one's share of it (hand formula of ``pools``); GPUs too small for
+the model (``--gpu-mem``), with a TPOT SLO that only a pipeline over both meets, get one replica of a 2-stage
+pipeline; GPUs that are not alike never get replicas; ``show`` and ``check`` take the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetplan.compiler import CompileRequest, compile_plan
+from hetplan.plan import load_plan
+from hetplan.serving import ServingRequest, compile_serving
+from tests.distributed.pipelines import save_llama
+from tests.test_cli import hetplan
+
+GPU = "{name: g, memory: %s, mem_bandwidth: 100GB/s, flops: {fp32: 10TFLOPS}}"
+
+
+def node(gpus: list, cpu_memory: str = "256MiB") -> str:
+    return "\n".join([
+        "name: tiny-gpus", "gpus:", *[f"  - {GPU % m}" for m in gpus],
+        f"cpu: {{name: cpu, cores: 2, memory: {cpu_memory}, mem_bandwidth: 20GB/s, flops: {{fp32: 2GFLOPS}}}}",
+        "links: {h2d: 10GB/s, d2h: 10GB/s}", "peers: [{between: all, kind: pcie, bandwidth: 10GB/s}]",
+        "reserve: {gpu: 1KiB, cpu: 1KiB}", "latency: {gpu_task: 1.0e-6, cpu_task: 1.0e-6, link_task: 1.0e-6}", ""])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve-replicas")
+    save_llama(d / "llama")
+    paths = {}
+    for name, gpus in {"one": ["64MiB"], "two": ["64MiB"] * 2, "four": ["64MiB"] * 4, "unlike": ["64MiB", "48MiB"]}.items():
+        paths[name] = d / f"{name}.yaml"
+        paths[name].write_text(node(gpus))
+    return d / "llama", paths
+
+
+def request(files, hw: str, **kw) -> CompileRequest:
+    model, paths = files
+    return CompileRequest(model=str(model), hw=str(paths[hw]), weight_dtype="fp32", prompt_len=16, gen_len=8, **kw)
+
+
+SERVE = ServingRequest(max_batch=8, max_context=4096)
+
+
+@pytest.mark.parametrize("hw, r", [("two", 2), ("four", 4)])
+def test_alike_gpus_each_holding_the_model_serve_one_replica_each_at_r_times_one_gpus_throughput(files, hw, r):
+    plan, _ = compile_serving(request(files, hw), SERVE)
+    alone, _ = compile_serving(request(files, "one"), SERVE)   # the oracle: one GPU alone
+    pp = plan.pipeline
+    assert pp["replicas"] == r and pp["replica_step"] == {"gpus": 1} and len(pp["stages"]) == 1
+    assert plan.serving["batch"] == alone.serving["batch"] == plan.workload.batch
+    # each replica is the one-GPU plan: the same times, so r times its throughput at the same batch
+    assert pp["predicted"]["tpot_s"] == pytest.approx(alone.predicted["tpot_s"], rel=1e-12)
+    assert pp["predicted"]["ttft_s"] == pytest.approx(alone.predicted["ttft_s"], rel=1e-12)
+    assert pp["predicted"]["decode_tokens_per_s"] == pytest.approx(r * alone.predicted["decode_tokens_per_s"],
+                                                                   rel=1e-12)
+    total = r * plan.workload.batch * plan.workload.gen_len / pp["predicted"]["latency_s"]
+    assert total == pytest.approx(r * alone.predicted["throughput_tokens_per_s"], rel=1e-12)
+    # the curve is one replica's: the oracle's, point by point
+    for mine, its in zip(plan.serving["curve"], alone.serving["curve"], strict=True):
+        assert mine == pytest.approx(its, rel=1e-12)
+    assert plan.serving["gpu_blocks"] == alone.serving["gpu_blocks"]
+
+
+def test_replicas_on_one_node_share_its_dram_pool(files):
+    """Each of r replicas gets ``min((budget / r - used + kv) // t, N C)`` DRAM tokens (the pools'
+    formula over its share); 256 MiB of DRAM binds below the cap of 64 x 4096 positions."""
+    for hw, r in (("one", 1), ("two", 2), ("four", 4)):
+        plan, _ = compile_serving(request(files, hw), ServingRequest(max_batch=64, max_context=4096))
+        m, sv, spec = plan.memory, plan.serving, plan.model
+        t = spec.n_layers * spec.kv_bytes_per_token()
+        budget = 256 * 2**20 - 1024
+        tokens = min(int((budget / r - m["cpu_bytes"] + m["breakdown"]["cpu"]["kv"]) // t), 64 * 4096)
+        assert tokens < 64 * 4096
+        assert sv["cpu_blocks"] == tokens // sv["block_tokens"], hw
+
+
+def test_gpus_too_small_with_a_tpot_slo_only_a_pipeline_meets_get_one_replica_of_a_pipeline(files):
+    small = {"gpu_mem": "400KiB"}                                  # --gpu-mem: less than the model's weights
+    pipe, _ = compile_plan(request(files, "two", **small))        # one pipeline over both GPUs
+    single, _ = compile_plan(request(files, "one", **small))      # one GPU alone, streaming what it cannot hold
+    assert len(pipe.pipeline["stages"]) == 2
+    fast, slow = pipe.pipeline["predicted"]["tpot_s"], single.predicted["tpot_s"]
+    assert fast < slow
+    slo = (fast * slow) ** 0.5
+    plan, _ = compile_serving(request(files, "two", **small), ServingRequest(max_batch=8, slo_tpot_s=slo))
+    assert (plan.pipeline.get("replicas") or 1) == 1 and len(plan.pipeline["stages"]) == 2
+    assert plan.serving["curve"][0]["tpot_s"] == pytest.approx(fast, rel=1e-9)   # the pipeline's, stage after stage
+
+
+def test_gpus_that_are_not_alike_never_get_replicas(files):
+    plan, _ = compile_serving(request(files, "unlike"), SERVE)
+    assert "replicas" not in plan.pipeline and plan.serving is not None
+
+
+def test_compile_show_and_check_take_a_replicas_serving_plan(files, tmp_path):
+    model, paths = files
+    out = tmp_path / "plan.json"
+    proc = hetplan("compile", model, "--hw", paths["two"], "--weight-dtype", "fp32", "--prompt-len", 16,
+                   "--gen-len", 8, "--serve", "--max-batch", 8, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 replicas of a pipeline over 1 device(s) each" in proc.stdout
+    assert "serving: 2 replicas, each: running batch <= 8" in proc.stdout
+    plan = load_plan(out)
+    assert plan.pipeline["replicas"] == 2
+    shown = hetplan("show", out)
+    assert shown.returncode == 0 and "2 replicas, each with its own engine" in shown.stdout
+    checked = hetplan("check", out)
+    assert checked.returncode == 0 and "identical" in checked.stdout, checked.stdout + checked.stderr
