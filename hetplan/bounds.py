@@ -25,9 +25,13 @@ def phase_lower_bound_s(problem: Problem, phase: str) -> float:
     return work_lower_bound_s(problem.hw, problem.model, nbytes, flops, cap)
 
 
-def work_lower_bound_s(hw, spec, nbytes: float, flops: float, cap: float) -> float:
+def work_lower_bound_s(hw, spec, nbytes: float, flops: float, cap: float, distinct: float | None = None) -> float:
     """The bound above for ``nbytes`` read and ``flops`` computed with at most ``cap`` bytes
-    resident in HBM (any smaller ``cap`` or fewer bytes gives a weaker, still valid bound)."""
+    resident in HBM (any smaller ``cap`` or fewer bytes gives a weaker, still valid bound).
+    ``distinct``: of those bytes, the ones that exist before the phase and are each read (a
+    dense block's weights), which alone must come from DRAM beyond ``cap``; activations and
+    caches written in the phase and read again may all sit in HBM (None: every byte read is
+    taken as distinct, as ``phase_lower_bound_s`` has it)."""
     eff = hw.efficiency
     cpu_bw = hw.cpu.mem_bytes_per_s * eff["cpu_mem"]
     cpu_peak = hw.cpu.peak_flops("fp32" if spec.weight_dtype == "fp32" else "bf16") * eff["cpu_flops"]
@@ -36,5 +40,6 @@ def work_lower_bound_s(hw, spec, nbytes: float, flops: float, cap: float) -> flo
     gpu_bw = hw.gpu.mem_bytes_per_s * eff["gpu_mem"]
     link_bw = hw.h2d_bytes_per_s * eff["link"]
     gpu_peak = hw.gpu.peak_flops(compute_dtype(spec.weight_dtype)) * eff["gpu_flops"]
-    return max(nbytes / (gpu_bw + cpu_bw + link_bw), max(0.0, nbytes - cap) / (cpu_bw + link_bw),
+    beyond = max(0.0, (nbytes if distinct is None else distinct) - cap)
+    return max(nbytes / (gpu_bw + cpu_bw + link_bw), beyond / (cpu_bw + link_bw),
                flops / (gpu_peak + cpu_peak))

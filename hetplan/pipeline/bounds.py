@@ -17,8 +17,10 @@ holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of 
 ``t >= cold / (bw_cpu + bw_h2d)`` (every MoE layer routed alike, as without a routing profile);
 the MoE stages of the chain take at least that together, the other stages their own times
 besides: ``t >= chain_dense + max(chain_moe, cold / (bw_cpu + bw_h2d))``.
-Last, the bytes read beyond ``cap`` (``nbytes - cap``) are each either copied over the link or
-read by the CPU while it computes with them, and the CPU reads at most ``r`` bytes a second,
+Last, the bytes read that exist before the step (weights, a decode's cached keys and values:
+``transient_bytes`` left out) beyond ``cap`` (``held - cap``) are each either copied over the
+link or read by the CPU while it computes with them (what a step writes and reads again, its
+activations, may all stay in HBM), and the CPU reads at most ``r`` bytes a second,
 ``r`` the highest bytes-per-CPU-second of any stage in the range (a dense stage's ``bytes /
 cpu_s``; an MoE stage's ``min(bw_cpu, peak_cpu * max(bytes / flops))`` over its experts, shared
 experts and router, any of which may go to the CPU): ``t >= (nbytes - cap) / (bw_h2d + r)``.
@@ -39,6 +41,7 @@ import math
 from itertools import accumulate
 
 from hetplan.bounds import work_lower_bound_s
+from hetplan.cost import activation_bytes_per_elem
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 from hetplan.problem import build_problem
@@ -47,6 +50,18 @@ from hetplan.workload import Workload
 PHASES = ("prefill", "decode")
 LINK_WEIGHT = 0.01
 """``w`` of the weighted bound ``t >= (1 - w) chain + w link`` (module docstring)."""
+
+
+def transient_bytes(work, spec: ModelSpec) -> float:
+    """Of the bytes ``work`` reads (``hetplan.cost``'s formulas), those its step writes first
+    (activations in and out; all of a prefill attention's, which writes the prompt's keys and
+    values; all of an embedding's, whose rows may repeat): the rest are weights and cached keys
+    and values, which exist before the step and so take room in HBM or come from DRAM."""
+    if work.op in ("attention_prefill", "embed"):
+        return work.bytes
+    if work.op == "attention_decode":
+        return 0.0
+    return min(work.bytes, 2.0 * work.tokens * spec.hidden * activation_bytes_per_elem(spec))
 
 
 class StageBound:
@@ -60,13 +75,15 @@ class StageBound:
                     for b in problem.graph.blocks}
         self.spec, self.hw, self.n_layers = spec, hw, L
         self.cap = problem.gpu_budget_bytes
+        self._seconds = {}
         self.prefix, self.rate = {}, {}
         for phase in PHASES:
-            nbytes, flops, chain, moe, priced = ([0.0] * (L + 2) for _ in range(5))
+            nbytes, flops, chain, moe, priced, held = ([0.0] * (L + 2) for _ in range(6))
             rate = [0.0] * (L + 2)
             for sc in problem.stages[phase]:
                 st, at = sc.stage, position[sc.stage.block]
                 nbytes[at] += st.work.bytes
+                held[at] += st.work.bytes - transient_bytes(st.work, spec)
                 flops[at] += st.work.flops
                 (moe if st.kind == "moe" else chain)[at] += self._chain_s(sc, problem, phase)
                 priced[at] += self._chain_s(sc, problem, phase, streamed_s=problem.load_s.get(st.block))
@@ -74,7 +91,9 @@ class StageBound:
             self.rate[phase] = _range_max(rate)
             if phase == "prefill" and wl.n_chunks > 1:
                 chain, moe, priced = [0.0] * (L + 2), [0.0] * (L + 2), [0.0] * (L + 2)
-            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0)) for x in (nbytes, flops, chain, moe, priced))
+            self.prefix[phase] = tuple(list(accumulate(x, initial=0.0))
+                                       for x in (nbytes, flops, chain, moe, priced, held))
+
         layers = problem.experts.get("decode", {})
         alike = len({(e.wbytes, e.expert_bytes) for e in layers.values()}) == 1
         self.moe = [0] * (L + 2)
@@ -97,7 +116,8 @@ class StageBound:
                     fastest = min(sc.cpu_s, sc.gpu_s + LINK_WEIGHT / (1 - LINK_WEIGHT) * streamed_s)
                 return min(fastest, min(layer.split_times))
             work = sc.stage.work
-            fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap))
+            fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap,
+                                                      work.bytes - transient_bytes(work, self.spec)))
         return fastest
 
     def _cpu_rate(self, sc, problem, phase: str) -> float:
@@ -112,7 +132,7 @@ class StageBound:
         return min(layer.cpu.bytes_per_s, layer.cpu.flops_per_s * ratio)
 
     def overflow_s(self, phase: str, first: int, end: int, nbytes: float) -> float:
-        """The bytes beyond HBM over the link and the CPU together (module docstring)."""
+        """The weight bytes beyond HBM over the link and the CPU together (module docstring)."""
         hw = self.hw
         if hw.gpu is None or nbytes <= self.cap:
             return 0.0
@@ -121,13 +141,14 @@ class StageBound:
     def phase_s(self, phase: str, a: int, b: int) -> float:
         """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
         first, end = (0 if a == 0 else a + 1), (b + 2 if b == self.n_layers else b + 1)
-        nbytes, flops, chain, moe, priced = self.prefix[phase]
+        nbytes, flops, chain, moe, priced, held = self.prefix[phase]
         cold = self.cold_experts_s(first, end) if phase == "decode" else 0.0
+        weights = held[end] - held[first]
         return max(chain[end] - chain[first] + max(moe[end] - moe[first], cold),
                    (1 - LINK_WEIGHT) * (priced[end] - priced[first]),
                    work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
-                                      self.cap),
-                   self.overflow_s(phase, first, end, nbytes[end] - nbytes[first]))
+                                      self.cap, weights),
+                   self.overflow_s(phase, first, end, weights))
 
     def cold_experts_s(self, first: int, end: int) -> float:
         """Decode: the expected bytes of the experts HBM cannot hold, over DRAM and the link."""
@@ -153,7 +174,12 @@ class StageBound:
         return cold
 
     def __call__(self, a: int, b: int) -> tuple:
-        return self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
+        """(prefill, decode) seconds of layers ``[a, b)``, each computed once (the stage DP asks
+        for every range on every device of a kind)."""
+        key = (a, b)
+        if key not in self._seconds:
+            self._seconds[key] = self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
+        return self._seconds[key]
 
 
 def _range_max(values: list) -> list:

@@ -4,10 +4,13 @@ most throughput whose predicted TPOT and TTFT meet the SLOs.
 For each batch ``b`` in 1, 2, 4, ... up to ``--max-batch``, the model is compiled as any plan is
 (``hetplan.compiler.compile_plan``, objective latency: TTFT + gen_len x TPOT at ``b`` sequences);
 the search stops at the first batch that does not fit. On a machine of several devices (a node
-with several GPUs, a cluster) the search runs once for the whole machine (one pipeline) and once
-per replica count ``r`` that cuts it into alike groups (``hetplan.pipeline.replicas``): each
-replica is the pipeline (or the single device) planned on the first group, serving its own
-requests. A replica's TTFT and TPOT are its own (a pipeline's: every stage and link in turn); the
+with several GPUs, a cluster) the candidates are the whole machine (one pipeline) and each
+replica count ``r`` that cuts it into alike groups (``hetplan.pipeline.replicas``), at every
+batch: each replica is the pipeline (or the single device) planned on the first group, serving
+its own requests. They are compiled best bound first (``ThroughputBound``: ``r x b x gen_len``
+over the pipeline's lower bound on a replica's latency, no stage solved), and one whose bound
+cannot beat a plan already found within the SLOs is not compiled: the choice is the one
+compiling every candidate would make, in fewer compiles. A replica's TTFT and TPOT are its own (a pipeline's: every stage and link in turn); the
 whole serves ``r`` times one replica's ``throughput_tokens_per_s`` (the replicas share nothing
 the cost model prices but DRAM, which ``replicas_fit_dram`` checks). Among the (``r``, ``b``)
 whose replica meets the SLOs, the most total throughput wins (fewer replicas, then the smaller
@@ -20,11 +23,13 @@ is an error naming the SLO and the value that would meet it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
 from hetplan.compiler import CompileRequest, CompileTime, compile_plan, load_machine, parse_strategy, several_devices
 from hetplan.errors import HetplanError, InfeasibleError
+from hetplan.pipeline.compile import BOUND_ROUNDING
 from hetplan.pipeline.replicas import replica_counts
 from hetplan.pipeline.topology import Topology
 from hetplan.serving.curve import batches_up_to, curve, meets
@@ -102,23 +107,68 @@ def replica_options(req: CompileRequest) -> list:
     return [1] + replica_counts(Topology.of(hw))
 
 
-def _batches(req: CompileRequest, sreq: ServingRequest, r: int) -> tuple:
-    """The plans of ``r`` replicas at batches 1, 2, 4, ... up to the first that does not fit ->
-    (plans, the first batch's notes, solve seconds); InfeasibleError when batch 1 does not fit."""
-    plans, notes, solve_s = [], [], 0.0
-    for b in batches_up_to(sreq.max_batch):
+class ThroughputBound:
+    """An upper bound on the throughput of ``r`` replicas at batch ``b``, no stage solved:
+    ``r x b x gen_len`` over a lower bound on one replica's latency, the ``pipeline_lower_bound``
+    of the model and group ``compile_plan`` would plan (``--weight-dtype auto`` resolved over the
+    whole machine at that batch, as ``compile_pipeline`` resolves it)."""
+
+    def __init__(self, req: CompileRequest, topo: Topology):
+        from hetplan.compiler import load_inputs
+
+        self.req, self.topo = req, topo
+        self.spec = load_inputs(dataclasses.replace(req, notes=[]))[0]
+        self.stage_bounds = {}   # (batch, weight dtype) -> pipeline_lower_bound's stage_bounds
+
+    def __call__(self, r: int, b: int) -> float:
+        from hetplan.compiler import _workload
+        from hetplan.pipeline.compile import fitting_dtype
+        from hetplan.pipeline.plan import pipeline_lower_bound
+        from hetplan.pipeline.replicas import first_group
+
+        one = dataclasses.replace(self.req, batch=b, objective="latency", replicas=r, notes=[])
+        wl = _workload(one)
+        spec = fitting_dtype(self.spec, self.topo, wl, one) if self.req.weight_dtype == "auto" else self.spec
+        group = self.topo if r == 1 else first_group(self.topo, r)
+        if group is None:
+            return 0.0
+        seconds = pipeline_lower_bound(spec, group, wl, "sum", self.stage_bounds.setdefault((b, spec.weight_dtype), {}))
+        return r * b * wl.gen_len / seconds if seconds > 0 else math.inf
+
+
+def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
+    """Every (replica count, batch) worth compiling -> ({r: (plans by batch, first notes)},
+    solve seconds). On one device, every batch up to the first that does not fit. Over several,
+    the candidates in order of their ``ThroughputBound``, highest first; a candidate whose bound
+    cannot beat the most throughput of a plan found within the SLOs is not compiled (nor is a
+    batch as large as one that did not fit). InfeasibleError when nothing fits."""
+    options, batches = replica_options(req), batches_up_to(sreq.max_batch)
+    order = [(1, b) for b in batches]
+    bound = {}
+    if len(options) > 1:
+        upper = ThroughputBound(req, Topology.of(load_machine(req)))
+        bound = {(r, b): upper(r, b) for r in options for b in batches}
+        order = sorted(bound, key=lambda rb: (-bound[rb], rb))
+    searches, solve_s, too_big, failure, best = {}, 0.0, {}, None, 0.0
+    for r, b in order:
+        if b >= too_big.get(r, math.inf) or bound.get((r, b), math.inf) * (1 + BOUND_ROUNDING) < best:
+            continue
         one = dataclasses.replace(req, batch=b, objective="latency", replicas=r, notes=[])
         try:
             plan, took = compile_plan(one)
-        except InfeasibleError:
-            if not plans:
-                raise
-            break
-        if not plans:
-            notes = one.notes
-        plans.append(plan)
+        except InfeasibleError as e:
+            too_big[r] = min(b, too_big.get(r, math.inf))
+            failure = failure if failure is not None and r != 1 else e
+            continue
+        plans, notes = searches.setdefault(r, ({}, {}))
+        plans[b], notes[b] = plan, one.notes
         solve_s += took.solve_s
-    return plans, notes, solve_s
+        t = replica_times(plan)
+        if meets(t["tpot_s"], t["ttft_s"], sreq.slo_tpot_s, sreq.slo_ttft_s):
+            best = max(best, r * t["throughput_tokens_per_s"])
+    if not searches:
+        raise failure
+    return {r: ([plans[b] for b in sorted(plans)], notes[min(notes)]) for r, (plans, notes) in searches.items()}, solve_s
 
 
 def compile_serving(req: CompileRequest, sreq: ServingRequest):
@@ -128,16 +178,7 @@ def compile_serving(req: CompileRequest, sreq: ServingRequest):
         raise HetplanError(f"--max-context {context}: less than --prompt-len + --gen-len "
                            f"({req.prompt_len + req.gen_len}) that the plan is priced at; raise it or shorten those")
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    searches, solve_s = {}, 0.0
-    for r in replica_options(req):
-        try:
-            plans, notes, took = _batches(req, sreq, r)
-        except InfeasibleError:
-            if r == 1:
-                raise
-            continue  # a group holds less than the whole machine: more replicas may fit no better
-        searches[r] = (plans, notes)
-        solve_s += took
+    searches, solve_s = _search(req, sreq)
     plans = [p for found, _ in searches.values() for p in found]
     if context > plans[0].model.max_positions:
         raise HetplanError(f"--max-context {context}: model {plans[0].model.name!r} has "

@@ -111,3 +111,46 @@ def test_compile_show_and_check_take_a_replicas_serving_plan(files, tmp_path):
     assert shown.returncode == 0 and "2 replicas, each with its own engine" in shown.stdout
     checked = hetplan("check", out)
     assert checked.returncode == 0 and "identical" in checked.stdout, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("hw, gpu_mem, tight", [("four", None, False), ("four", None, True), ("two", "1MiB", True)])
+def test_the_bounded_search_chooses_what_compiling_every_candidate_chooses(monkeypatch, files, hw, gpu_mem, tight):
+    """Every (replicas, batch) compiled one by one through the public compile, the winner chosen by
+    the rule the module states (most total throughput within the SLOs; fewer replicas, then the
+    smaller batch, on a tie), against ``compile_serving``, which skips the candidates its
+    throughput bound rules out; the bound is above the throughput of every candidate. ``tight``:
+    a TPOT SLO that half the candidates miss (the fastest half's slowest TPOT), so that the
+    candidates of highest bound are compiled and fail it."""
+    import dataclasses
+
+    from hetplan.compiler import load_machine
+    from hetplan.errors import InfeasibleError
+    from hetplan.pipeline.topology import Topology
+    from hetplan.serving import decide
+
+    req = request(files, hw, gpu_mem=gpu_mem)
+    upper = decide.ThroughputBound(req, Topology.of(load_machine(req)))
+    every = {}
+    for r in decide.replica_options(req):
+        for b in (1, 2, 4, 8):
+            try:
+                plan, _ = compile_plan(dataclasses.replace(req, batch=b, objective="latency", replicas=r, notes=[]))
+            except InfeasibleError:
+                break
+            t = decide.replica_times(plan)
+            assert r * t["throughput_tokens_per_s"] <= upper(r, b) * (1 + 1e-9)
+            every[r, b] = (r * t["throughput_tokens_per_s"], t["tpot_s"])
+    tpots = sorted(tpot for _, tpot in every.values())
+    slo = tpots[(len(tpots) - 1) // 2] if tight else None
+    found = {rb: total for rb, (total, tpot) in every.items() if slo is None or tpot <= slo}
+    r, b = max(found, key=lambda rb: (found[rb], -rb[0], -rb[1]))
+    compiled = []
+    real = decide.compile_plan
+    monkeypatch.setattr(decide, "compile_plan", lambda one: compiled.append((one.replicas, one.batch)) or real(one))
+    plan, _ = compile_serving(req, ServingRequest(max_batch=8, max_context=256, slo_tpot_s=slo))
+    assert (decide.replicas_of(plan), plan.workload.batch) == (r, b)
+    assert decide.replicas_of(plan) * decide.replica_times(plan)["throughput_tokens_per_s"] == \
+        pytest.approx(found[r, b], rel=1e-12)
+    assert len(compiled) < len(every)   # the bound spared some compiles
+    if tight:
+        assert len(found) < len(every)
