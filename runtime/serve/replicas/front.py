@@ -57,7 +57,14 @@ class Front:
             return _failed(i, e)
         kind = upstream.headers.get("content-type", "")
         if kind.startswith("text/event-stream"):
-            return StreamingResponse(self._relay(i, upstream), status_code=upstream.status_code, media_type=kind)
+            closed = []
+
+            async def close():   # once, however the answer ends (a client gone before it started too)
+                if not closed:
+                    closed.append(True)
+                    await upstream.aclose()
+                    self.in_flight[i] -= 1
+            return _Relayed(self._relay(i, upstream, close), close, status_code=upstream.status_code, media_type=kind)
         try:
             content = await upstream.aread()
         except httpx.TransportError as e:
@@ -67,7 +74,7 @@ class Front:
             self.in_flight[i] -= 1
         return Response(content, status_code=upstream.status_code, media_type=kind or None)
 
-    async def _relay(self, i: int, upstream: httpx.Response):
+    async def _relay(self, i: int, upstream: httpx.Response, close):
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
@@ -75,8 +82,8 @@ class Front:
             yield _sse(_error_body(i, e))
             yield "data: [DONE]\n\n"
         finally:  # a client gone mid-stream closes the replica's stream too, which cancels the request there
-            await upstream.aclose()
-            self.in_flight[i] -= 1
+            await close()
+
 
     async def models(self, request: Request):
         try:
@@ -110,6 +117,22 @@ class Front:
         own += [f'hetplan_replica_requests_in_flight{{replica="{i}"}} {n}' for i, n in enumerate(self.in_flight)]
         return PlainTextResponse(summed_metrics(texts) + "\n".join(own) + "\n",
                                  media_type="text/plain; version=0.0.4")
+
+
+class _Relayed(StreamingResponse):
+    """A replica's streamed answer, relayed; ``close`` (closing the replica's stream and counting
+    the request out) runs when the response ends however it ends: its generator's own
+    ``finally`` does not run when the client left before the first chunk."""
+
+    def __init__(self, content, close, **kw):
+        super().__init__(content, **kw)
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 def summed_metrics(texts: list) -> str:

@@ -253,3 +253,50 @@ def test_replicas_that_cannot_load_their_weights_stop_in_one_line(two_replicas, 
     (line,) = errors(out.stderr)
     assert re.match(r"hetplan: error: replica [01]: ", line) and str(missing) in line, line
     assert "Traceback" not in out.stderr and "hetplan serve:" not in out.stderr
+
+
+@pytest.mark.parametrize("gone_at", [0, 1, None])
+def test_a_relayed_stream_counts_its_request_out_once_however_the_client_leaves(gone_at):
+    """A streamed answer through the front: the client gone before the first byte (``send``
+    fails at once: the relaying generator never starts), gone mid-stream, or staying to the end,
+    the request is counted out of its replica's in-flight number exactly once."""
+    import asyncio
+
+    from hetplan.runtime.serve.replicas.front import Front, _Relayed
+
+    front, closes = Front(["http://127.0.0.1:1"]), []
+    front.in_flight[0] = 1
+
+    async def close():
+        if not closes:
+            front.in_flight[0] -= 1
+        closes.append(True)
+
+    async def chunks():
+        try:
+            for c in (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"):
+                yield c
+        finally:
+            await close()
+
+    sent = []
+
+    async def send(message):
+        if gone_at is not None and len(sent) >= gone_at:
+            raise OSError("client gone")
+        sent.append(message)
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def run():
+        response = _Relayed(chunks(), close, media_type="text/event-stream")
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        try:
+            await response(scope, receive, send)
+        except Exception:  # noqa: BLE001 - the disconnect, as starlette reports it
+            pass
+
+    asyncio.run(run())
+    assert front.in_flight == [0] and len(closes) >= 1
+    assert (len(sent) == 5) == (gone_at is None)   # start, three chunks, the end
