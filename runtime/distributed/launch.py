@@ -222,22 +222,24 @@ def _child(plan, rank, init, opts, timeout_s, progress, threads, results, micro_
         results.put(buf.getvalue())
 
 
-def as_process(name: str, threads: int, fn, *args):
+def as_process(name: str, threads: int, fn, *args, report=None):
     """``fn(*args)`` as a spawned process's whole work, with ``threads`` intra-op threads: its
-    errors as one line on stderr, exit 2 (3: a bug, 130: Ctrl-C)."""
+    errors as one line, exit 2 (3: a bug, 130: Ctrl-C); the line said on stderr, or handed to
+    ``report(line)`` (a process whose parent says it)."""
+    report = report or say
     torch.set_num_threads(threads)
     try:
         return fn(*args)
     except HetplanError as e:
-        say(str(e))
+        report(str(e))
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - a bug: one line, and how to get the traceback
         if os.environ.get("HETPLAN_TRACEBACK"):
             raise
-        say(f"{name}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 prints the "
-            f"traceback)")
+        report(f"{name}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 prints the "
+               f"traceback)")
         sys.exit(3)
 
 

@@ -36,7 +36,7 @@ import httpx
 
 from hetplan.errors import HetplanError
 from hetplan.pipeline.record import whole_model
-from hetplan.runtime.distributed.launch import DEFAULT_TIMEOUT_S, free_port, named, under_torchrun
+from hetplan.runtime.distributed.launch import DEFAULT_TIMEOUT_S, as_process, free_port, named, under_torchrun
 from hetplan.runtime.distributed.ranks import Ranks
 from hetplan.runtime.distributed.worker import stage_device
 
@@ -221,27 +221,13 @@ def _devices(parent: list | None, gpus: list) -> str | None:
 def _replica(plan, r, port, weights, settings, emulate, seed, timeout_s, threads, visible, said) -> None:
     """A spawned replica: its server on 127.0.0.1:``port`` until SIGINT; its error, if any, put
     on ``said`` for the front to say (exit 2; 3: a bug)."""
-    import torch
-
     os.setsid()   # Ctrl-C in a terminal is for the front, which stops this process
     if visible is not None:   # before CUDA starts in this process: the replica's GPUs alone
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    torch.set_num_threads(threads)
     _follow(os.getppid())
     name = f"replica {r}"
-    try:
-        named(name, _serve_one, plan, weights, settings, emulate, seed, timeout_s, port, threads)
-    except HetplanError as e:
-        said.put((r, str(e)))
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:  # noqa: BLE001 - a bug: one line, and how to get the traceback
-        if os.environ.get("HETPLAN_TRACEBACK"):
-            raise
-        said.put((r, f"{name}: internal error: {type(e).__name__}: {e}; please report it (HETPLAN_TRACEBACK=1 "
-                     f"prints the traceback)"))
-        sys.exit(3)
+    as_process(name, threads, named, name, _serve_one, plan, weights, settings, emulate, seed, timeout_s, port,
+               threads, report=lambda line: said.put((r, line)))
 
 
 def _serve_one(plan, weights, settings, emulate, seed, timeout_s, port, threads) -> None:

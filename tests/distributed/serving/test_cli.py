@@ -113,22 +113,31 @@ def test_hetplan_serve_runs_a_pipeline_plan_and_ctrl_c_stops_every_process(two_s
     assert gone(stage_1)
 
 
-def test_a_stage_killed_while_idle_stops_the_server_in_one_line(two_stages):
-    """The server process watches the stage processes it started."""
-    plan_path, directory, _ = two_stages
-    proc = serve(plan_path, directory, free_port())
+def after_killing(proc, victim) -> tuple:
+    """Once the server ``proc`` has started, SIGKILL the process ``victim()`` names -> (its exit
+    status, seconds from the kill to its exit, its stderr)."""
     lines, seen = lines_of(proc), []
     try:
         started(lines, seen)
-        (stage_1,) = stage_processes(proc.pid)
-        os.kill(stage_1, signal.SIGKILL)
+        os.kill(victim(), signal.SIGKILL)
         killed = time.monotonic()
         rc = proc.wait(timeout=60)
         took = time.monotonic() - killed
     finally:
         if proc.poll() is None:
             proc.kill()
-    err = rest(lines, seen)
+    return rc, took, rest(lines, seen)
+
+
+def test_a_stage_killed_while_idle_stops_the_server_in_one_line(two_stages):
+    """The server process watches the stage processes it started."""
+    plan_path, directory, _ = two_stages
+    proc = serve(plan_path, directory, free_port())
+
+    def stage_1():
+        (pid,) = stage_processes(proc.pid)
+        return pid
+    rc, took, err = after_killing(proc, stage_1)
     assert rc == 2 and took < 15, (rc, took, err)
     (line,) = errors(err)
     assert line.startswith("hetplan: error: stage 1 was killed by SIGKILL; the pipeline cannot serve without it")

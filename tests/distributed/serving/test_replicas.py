@@ -31,7 +31,7 @@ from hetplan.runtime.serve.api.server import free_port
 from hetplan.serving import ServingRequest, compile_serving
 from hetplan.workload import Workload
 from tests.distributed.pipelines import NODE, VOCAB, lines_of, reference, replicated_plan
-from tests.distributed.serving.test_cli import errors, gone, listening, rest, started
+from tests.distributed.serving.test_cli import after_killing, errors, gone, listening, rest, started
 
 LENGTHS = (3, 12, 5, 20, 9, 7)
 MAX_TOKENS = 10
@@ -162,19 +162,13 @@ def test_a_replica_killed_stops_the_front_in_one_line_and_every_process(two_repl
     plan_path, directory, _ = two_replicas
     port = free_port()
     proc = serve(plan_path, directory, port)
-    lines, seen = lines_of(proc), []
-    try:
-        started(lines, seen)
+    below = []
+
+    def replica_1():
         listening(port)
-        below = descendants(proc.pid)
-        os.kill(below[1], signal.SIGKILL)
-        killed = time.monotonic()
-        rc = proc.wait(timeout=60)
-        took = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = rest(lines, seen)
+        below.extend(descendants(proc.pid))
+        return below[1]
+    rc, took, err = after_killing(proc, replica_1)
     assert rc == 2 and took < 15, (rc, took, err)
     (line,) = errors(err)
     assert line.startswith("hetplan: error: replica 1 was killed by SIGKILL; every replica was stopped"), line
