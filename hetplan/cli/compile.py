@@ -15,6 +15,7 @@ import click
 from hetplan.compiler import CompileRequest, compile_plan
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.errors import HetplanError
+from hetplan.pipeline.record import replicas_of
 from hetplan.plan import write_atomic
 from hetplan.files import distinct_targets, writable_target
 from hetplan.schema.fields import MAX_NODES_MAX, TIME_LIMIT_MAX_S
@@ -189,7 +190,7 @@ def command(model, hw, output, strategy, objective, batch, prompt_len, gen_len, 
     if plan.serving is not None:
         sv = plan.serving
         at = max((p for p in sv["curve"] if p["batch"] <= sv["batch"]), key=lambda p: p["batch"])
-        r = (plan.pipeline or {}).get("replicas") or 1
+        r = replicas_of(plan)
         each = (f"{r} replicas, each: " if r > 1 else "")
         together = (f" ({r * at['throughput_tokens_per_s']:.2f} tok/s at {r * at['arrival_rate_per_s']:.3g} "
                     f"requests/s all together)" if r > 1 else "")

@@ -14,7 +14,7 @@ import click
 
 from hetplan.cli.app import require_torch
 from hetplan.errors import HetplanError
-from hetplan.pipeline.record import whole_model
+from hetplan.pipeline.record import replicas_of, whole_model
 from hetplan.plan import load_plan
 from hetplan.progress import quiet, step
 
@@ -54,7 +54,7 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
     """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics. A plan with
     a pipeline runs one process per stage (spawned here, or one torchrun process each)."""
     plan = load_plan(plan_path)
-    replicas = (plan.pipeline or {}).get("replicas") or 1
+    replicas = replicas_of(plan)
     if replicas > 1:
         from hetplan.runtime.serve.replicas.launch import refuse_unserved
         refuse_unserved(plan, plan_path)

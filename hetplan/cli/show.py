@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from hetplan.files import distinct_targets
+from hetplan.pipeline.record import replicas_of
 from hetplan.plan import load_plan
 from hetplan.plan.report import render_show
 from hetplan.plan.timeline import write_timeline, write_trace
@@ -36,7 +37,7 @@ def command(plan_path, timeline, trace):
     click.echo(render_show(plan), nl=False)
     if plan.serving is not None:
         from hetplan.serving.report import serving_section
-        click.echo("\n" + serving_section(plan.serving, (plan.pipeline or {}).get("replicas") or 1), nl=False)
+        click.echo("\n" + serving_section(plan.serving, replicas_of(plan)), nl=False)
     if timeline:
         with step(f"drawing the timeline {timeline}"):
             write_timeline(plan, timeline)

@@ -211,38 +211,25 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     return pp
 
 
-def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "sum",
-                         stage_bounds: dict | None = None) -> float:
+def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "sum") -> float:
     """A lower bound on ``objective_s`` of the pipeline ``plan_pipeline`` returns for the same
     arguments, whatever its split, KV copies or single device alone, with no stage solved: the
-    stage DP over the stages' lower bounds (``StageBound``, ``split_lower_bound``).
-    ``stage_bounds``: the ``StageBound`` of each kind of device, kept across calls that share
-    ``spec`` and ``wl`` (the caller's to keep so)."""
+    stage DP over the stages' lower bounds (``StageBound``, ``split_lower_bound``)."""
     from hetplan.solvers.pipeline import split_lower_bound
 
     topo = Topology.of(hw)
     machines = [topo.device_hw(d) for d in topo.devices]
-    _, lower, link = _pricing(spec, topo, wl, objective, machines, [machines.index(m) for m in machines],
-                              stage_bounds)
+    _, lower, link = _pricing(spec, topo, wl, objective, machines, [machines.index(m) for m in machines])
     return split_lower_bound(spec.n_layers, len(machines), link, objective, lower)
 
 
-def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, machines: list, kind: list,
-             shared: dict | None = None) -> tuple:
+def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, machines: list, kind: list) -> tuple:
     """(seconds, lower, link) of the stage DP: ``seconds(ttft, tpot)``, what the objective
     minimises of a stage or a link (the throughput objective: its decode time, the interval the
     slowest one sets); ``lower(k, a, b)``, a lower bound on the seconds of layers ``[a, b)`` on
-    device ``k`` (one ``StageBound`` per kind of device, from ``shared`` where it holds one for
-    an equal machine); ``link(j, k)``, the hop's seconds."""
+    device ``k`` (one ``StageBound`` per kind of device); ``link(j, k)``, the hop's seconds."""
     devices = topo.devices
     bounds: dict = {}
-    shared = {} if shared is None else shared
-
-    def stage_bound(hw) -> StageBound:
-        key = repr(hw)   # a machine description holds dicts: equal machines, equal reprs
-        if key not in shared:
-            shared[key] = StageBound(spec, hw, wl)
-        return shared[key]
 
     def seconds(pred_ttft: float, pred_tpot: float) -> float:
         if objective == "max":
@@ -251,7 +238,7 @@ def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, mach
 
     def lower(k, a, b):
         if kind[k] not in bounds:
-            bounds[kind[k]] = stage_bound(machines[k])
+            bounds[kind[k]] = StageBound(spec, machines[k], wl)
         return seconds(*bounds[kind[k]](a, b))
 
     def link(j, k):

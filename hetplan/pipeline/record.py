@@ -22,6 +22,11 @@ STAGE_KEYS = ("hardware", "solver", "placement", "staging", "memory", "predicted
 """The parts of a stage's single-device plan that the record keeps."""
 
 
+def replicas_of(plan: Plan) -> int:
+    """Replicas the plan runs (``pipeline.replicas``; 1 without a pipeline or replicas)."""
+    return (plan.pipeline or {}).get("replicas") or 1
+
+
 def stage_record(plan: Plan) -> dict:
     """``plan`` (a stage's single-device plan) as ``pipeline.stages[i].plan`` records it."""
     d = plan.to_dict()

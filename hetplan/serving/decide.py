@@ -10,8 +10,8 @@ batch: each replica is the pipeline (or the single device) planned on the first 
 its own requests. They are compiled best bound first (``ThroughputBound``: ``r x b x gen_len``
 over the pipeline's lower bound on a replica's latency, no stage solved), and one whose bound
 cannot beat a plan already found within the SLOs is not compiled: the choice is the one
-compiling every candidate would make, in fewer compiles. A replica's TTFT and TPOT are its own (a pipeline's: every stage and link in turn); the
-whole serves ``r`` times one replica's ``throughput_tokens_per_s`` (the replicas share nothing
+compiling every candidate would make, in fewer compiles. A replica's TTFT and TPOT are its own
+(a pipeline's: every stage and link in turn); the whole serves ``r`` times one replica's ``throughput_tokens_per_s`` (the replicas share nothing
 the cost model prices but DRAM, which ``replicas_fit_dram`` checks). Among the (``r``, ``b``)
 whose replica meets the SLOs, the most total throughput wins (fewer replicas, then the smaller
 batch, on a tie). The winner's placement is replayed at every batch for the curve (one
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from hetplan.compiler import CompileRequest, CompileTime, compile_plan, load_machine, parse_strategy, several_devices
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.pipeline.compile import BOUND_ROUNDING
+from hetplan.pipeline.record import replicas_of
 from hetplan.pipeline.replicas import replica_counts
 from hetplan.pipeline.topology import Topology
 from hetplan.serving.curve import batches_up_to, curve, meets
@@ -71,10 +72,6 @@ def replica_times(plan) -> dict:
             "throughput_tokens_per_s": wl.batch * wl.gen_len / p["latency_s"]}
 
 
-def replicas_of(plan) -> int:
-    return ((plan.pipeline or {}).get("replicas") or 1)
-
-
 def slo_error(sreq: ServingRequest, plans: list) -> HetplanError:
     """The one-line error when no compiled batch meets the SLOs: which SLO, and what would."""
     def t(p, key):
@@ -95,6 +92,11 @@ def slo_error(sreq: ServingRequest, plans: list) -> HetplanError:
     return HetplanError(f"--slo-tpot {_ms(sreq.slo_tpot_s)} ms with --slo-ttft {_ms(sreq.slo_ttft_s)} ms: no batch "
                         f"meets both; within the TPOT SLO the fastest prefill takes {_ms(t(best, 'ttft_s'))} ms "
                         f"(batch {best.workload.batch}); pass --slo-ttft {_ms(t(best, 'ttft_s'))} or more")
+
+
+def candidate(req: CompileRequest, r: int, b: int) -> CompileRequest:
+    """The request compiling ``r`` replicas at batch ``b`` (each replica minimising its latency)."""
+    return dataclasses.replace(req, batch=b, objective="latency", replicas=r, notes=[])
 
 
 def replica_options(req: CompileRequest) -> list:
@@ -118,22 +120,28 @@ class ThroughputBound:
 
         self.req, self.topo = req, topo
         self.spec = load_inputs(dataclasses.replace(req, notes=[]))[0]
-        self.stage_bounds = {}   # (batch, weight dtype) -> pipeline_lower_bound's stage_bounds
+        self._at = {}   # batch -> (model, workload): the same for every replica count
 
     def __call__(self, r: int, b: int) -> float:
-        from hetplan.compiler import _workload
-        from hetplan.pipeline.compile import fitting_dtype
+        """``r`` among ``replica_counts`` (a group exists), or 1."""
         from hetplan.pipeline.plan import pipeline_lower_bound
         from hetplan.pipeline.replicas import first_group
 
-        one = dataclasses.replace(self.req, batch=b, objective="latency", replicas=r, notes=[])
-        wl = _workload(one)
-        spec = fitting_dtype(self.spec, self.topo, wl, one) if self.req.weight_dtype == "auto" else self.spec
+        spec, wl = self._model_at(b)
         group = self.topo if r == 1 else first_group(self.topo, r)
-        if group is None:
-            return 0.0
-        seconds = pipeline_lower_bound(spec, group, wl, "sum", self.stage_bounds.setdefault((b, spec.weight_dtype), {}))
+        seconds = pipeline_lower_bound(spec, group, wl, "sum")
         return r * b * wl.gen_len / seconds if seconds > 0 else math.inf
+
+    def _model_at(self, b: int) -> tuple:
+        from hetplan.compiler import _workload
+        from hetplan.pipeline.compile import fitting_dtype
+
+        if b not in self._at:
+            one = candidate(self.req, 1, b)
+            wl = _workload(one)
+            auto = self.req.weight_dtype == "auto"
+            self._at[b] = (fitting_dtype(self.spec, self.topo, wl, one) if auto else self.spec), wl
+        return self._at[b]
 
 
 def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
@@ -153,12 +161,13 @@ def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
     for r, b in order:
         if b >= too_big.get(r, math.inf) or bound.get((r, b), math.inf) * (1 + BOUND_ROUNDING) < best:
             continue
-        one = dataclasses.replace(req, batch=b, objective="latency", replicas=r, notes=[])
+        one = candidate(req, r, b)
         try:
             plan, took = compile_plan(one)
         except InfeasibleError as e:
             too_big[r] = min(b, too_big.get(r, math.inf))
-            failure = failure if failure is not None and r != 1 else e
+            if failure is None or r == 1:   # the whole machine's failure is the one to say
+                failure = e
             continue
         plans, notes = searches.setdefault(r, ({}, {}))
         plans[b], notes[b] = plan, one.notes
@@ -168,7 +177,8 @@ def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
             best = max(best, r * t["throughput_tokens_per_s"])
     if not searches:
         raise failure
-    return {r: ([plans[b] for b in sorted(plans)], notes[min(notes)]) for r, (plans, notes) in searches.items()}, solve_s
+    found = {r: ([plans[b] for b in sorted(plans)], notes[min(notes)]) for r, (plans, notes) in searches.items()}
+    return found, solve_s
 
 
 def compile_serving(req: CompileRequest, sreq: ServingRequest):
@@ -184,7 +194,7 @@ def compile_serving(req: CompileRequest, sreq: ServingRequest):
         raise HetplanError(f"--max-context {context}: model {plans[0].model.name!r} has "
                            f"{plans[0].model.max_positions} positions; pass at most that")
     slo = (sreq.slo_tpot_s, sreq.slo_ttft_s)
-    ok = [p for p in plans if meets(replica_times(p)["tpot_s"], replica_times(p)["ttft_s"], *slo)]
+    ok = [p for p in plans if meets(*(replica_times(p)[k] for k in ("tpot_s", "ttft_s")), *slo)]
     if not ok:
         raise slo_error(sreq, plans)
     best = max(ok, key=lambda p: (replicas_of(p) * replica_times(p)["throughput_tokens_per_s"], -replicas_of(p),

@@ -57,14 +57,10 @@ class Front:
             return _failed(i, e)
         kind = upstream.headers.get("content-type", "")
         if kind.startswith("text/event-stream"):
-            closed = []
-
-            async def close():   # once, however the answer ends (a client gone before it started too)
-                if not closed:
-                    closed.append(True)
-                    await upstream.aclose()
-                    self.in_flight[i] -= 1
-            return _Relayed(self._relay(i, upstream, close), close, status_code=upstream.status_code, media_type=kind)
+            async def close():   # closing the replica's stream cancels the request there
+                await upstream.aclose()
+                self.in_flight[i] -= 1
+            return _Relayed(self._relay(i, upstream), close, status_code=upstream.status_code, media_type=kind)
         try:
             content = await upstream.aread()
         except httpx.TransportError as e:
@@ -74,15 +70,13 @@ class Front:
             self.in_flight[i] -= 1
         return Response(content, status_code=upstream.status_code, media_type=kind or None)
 
-    async def _relay(self, i: int, upstream: httpx.Response, close):
+    async def _relay(self, i: int, upstream: httpx.Response):
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
         except httpx.TransportError as e:
             yield _sse(_error_body(i, e))
             yield "data: [DONE]\n\n"
-        finally:  # a client gone mid-stream closes the replica's stream too, which cancels the request there
-            await close()
 
 
     async def models(self, request: Request):
@@ -121,8 +115,8 @@ class Front:
 
 class _Relayed(StreamingResponse):
     """A replica's streamed answer, relayed; ``close`` (closing the replica's stream and counting
-    the request out) runs when the response ends however it ends: its generator's own
-    ``finally`` does not run when the client left before the first chunk."""
+    the request out) runs once when the response ends, however it ends: a generator's own
+    ``finally`` would not run when the client left before the first chunk."""
 
     def __init__(self, content, close, **kw):
         super().__init__(content, **kw)

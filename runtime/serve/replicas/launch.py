@@ -35,7 +35,7 @@ import time
 import httpx
 
 from hetplan.errors import HetplanError
-from hetplan.pipeline.record import whole_model
+from hetplan.pipeline.record import replicas_of, whole_model
 from hetplan.runtime.distributed.launch import DEFAULT_TIMEOUT_S, as_process, free_port, named, under_torchrun
 from hetplan.runtime.distributed.ranks import Ranks
 from hetplan.runtime.distributed.worker import stage_device
@@ -49,7 +49,7 @@ WATCH_S = 0.2
 def one_replica(plan):
     """``plan`` as each replica runs it: its pipeline (the first group's stages) without replicas."""
     pp = {k: v for k, v in plan.pipeline.items() if k not in ("replicas", "replica_step")}
-    r = plan.pipeline.get("replicas") or 1
+    r = replicas_of(plan)
     if pp.get("devices"):
         pp["devices"] = pp["devices"] // r
     return dataclasses.replace(plan, pipeline=pp)
@@ -65,7 +65,7 @@ def replica_gpus(plan, r: int) -> list:
 
 def refuse_unserved(plan, plan_path: str) -> None:
     """Replicas that ``hetplan serve`` does not start, refused in one line with what to run."""
-    r = plan.pipeline.get("replicas") or 1
+    r = replicas_of(plan)
     step = plan.pipeline.get("replica_step") or {}
     if "nodes" in step:
         raise HetplanError(f"{plan_path}: the plan runs {r} replicas on nodes of their own ({step['nodes']} each), "
