@@ -5,6 +5,7 @@ compile times.
     python bench/multi_gpu.py                  # 70B on 2x3090-128g, Qwen2.5-72B on 4xdesktop-10gbe
     python bench/multi_gpu.py --deepseek       # and deepseek-v3 on 8xh100
     python bench/multi_gpu.py --replicas       # only --objective throughput: replicas against one pipeline
+    python bench/multi_gpu.py --compile-times  # only: `hetplan compile` over 8 GPUs and 4 nodes, every objective
 
 For each case it compiles once on the multi-device machine (``hetplan compile``'s library call:
 the pipeline, its first stage as the main part, the llama.cpp split priced beside it) and once
@@ -68,12 +69,52 @@ def replicas_case(model: str, hw: str, batch: int) -> None:
           f"{pp['predicted']['tpot_s'] * 1e3:.2f} ms | {pp['predicted']['pipelined_decode_tokens_per_s']:.1f} |")
 
 
+TIMED = [("llama-3.1-70b", "8xh100", []), ("deepseek-v3", "8xh100", ["--weight-dtype", "q4_k_m"]),
+         ("qwen2.5-72b", "4xdesktop-10gbe", []), ("llama-3.1-70b", "4xdesktop-10gbe", ["--weight-dtype", "q4_k_m"])]
+OBJECTIVES = [("latency", []), ("throughput, batch 8", ["--objective", "throughput", "--batch", "8"]),
+              ("serving", ["--serve"])]
+TARGET_S = 10.0
+"""Issue 19: a compile over 8 GPUs or a 4-node cluster within 10 s on this machine."""
+
+
+def compile_times() -> None:
+    """``hetplan compile`` as a user runs it, one fresh process per case: wall and CPU seconds
+    (the child's user + system), against ``TARGET_S``."""
+    import os
+    import resource
+    import subprocess
+    import tempfile
+
+    print(f"| model | machine | objective | wall | CPU | CPU / {TARGET_S:g} s |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, hw, extra in TIMED:
+            for label, flags in OBJECTIVES:
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                t0 = time.perf_counter()
+                run = subprocess.run([sys.executable, "-m", "hetplan", "compile", model, "--hw", hw, *extra, *flags,
+                                      "-o", os.path.join(tmp, "plan.json")], capture_output=True, text=True)
+                wall = time.perf_counter() - t0
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+                if run.returncode != 0:
+                    print(f"| {model} | {hw} | {label} | failed: {run.stderr.strip().splitlines()[-1]} | | |")
+                    continue
+                name = f"{model} {' '.join(extra)}".strip()
+                print(f"| {name} | {hw} | {label} | {wall:.1f} s | {cpu:.1f} s | {cpu / TARGET_S:.2f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepseek", action="store_true", help="also deepseek-v3 on 8xh100")
     ap.add_argument("--replicas", action="store_true", help="also --objective throughput: replicas (data "
                     "parallel) against one pipeline over every device")
+    ap.add_argument("--compile-times", action="store_true", help="only: compile time over 8 GPUs and 4 nodes, "
+                    "every objective, against 10 s")
     args = ap.parse_args()
+    if args.compile_times:
+        compile_times()
+        return 0
     if args.replicas:
         for case in REPLICA_CASES:
             replicas_case(*case)

@@ -74,6 +74,10 @@ class CompileRequest:
     """Alike groups of a node's (or cluster's) devices the plan runs as many replicas of one
     pipeline (``hetplan.pipeline.replicas``): set by ``compile --serve``'s search, which weighs
     every count; not an option of its own, and not recorded (``check`` searches again)."""
+    ceiling_s: float | None = None
+    """A pipeline's latency (``ttft + gen_len x tpot``) above which its search stops
+    (``hetplan.pipeline.plan.Outclassed``): set by ``compile --serve``'s search for a candidate
+    that must beat a plan found already; not an option, not recorded."""
     notes: list = field(default_factory=list, compare=False)
     """Messages for the user (e.g. which dtype ``auto`` chose); filled while compiling."""
 
@@ -81,7 +85,7 @@ class CompileRequest:
         """The request as a plan records it: ``routing`` (RoutingStats) replaces the path by its
         document; keys at their default ``None`` that older plans lack are left out."""
         d = dataclasses.asdict(self)
-        for k in ("notes", "dump_lp", "replicas"):
+        for k in ("notes", "dump_lp", "replicas", "ceiling_s"):
             d.pop(k)
         d.pop("routing")
         if routing is not None:

@@ -34,6 +34,9 @@ optimum. Otherwise its unpriced stages are priced and the DP runs again. Exact f
 
 Ties (costs within ``TIE``) go to fewer stages, then to the smaller slowest stage or link.
 
+With a ``ceiling``, the search stops as soon as the optimistic optimum exceeds it: every split
+costs more, and the caller (weighing several searches) has one at least that good already.
+
 ``split_lower_bound`` runs the same DP on the lower bounds alone, pricing nothing: every split
 costs at least its cost at the bounds, so the cheapest split at the bounds bounds them all. A
 caller comparing several searches (e.g. replica counts) skips one whose bound cannot win.
@@ -54,11 +57,18 @@ class Split:
     priced: int = 0
     """How many stages the search priced (called ``stage`` on; one per key)."""
 
+    @property
+    def outclassed(self) -> bool:
+        """No stages: the search stopped at its ``ceiling``; every split costs at least
+        ``cost_s``, which is above it."""
+        return not self.stages
+
 
 def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, objective: str = "sum",
                lower: Callable | None = None, key: Callable | None = None,
-               monotone: bool = True) -> Split | None:
-    """The cheapest split of ``n_layers`` layers over GPUs ``0..n_gpus-1``; None when none fits.
+               monotone: bool = True, ceiling: float = math.inf) -> Split | None:
+    """The cheapest split of ``n_layers`` layers over GPUs ``0..n_gpus-1``; None when none fits;
+    an ``outclassed`` Split when every split costs more than ``ceiling`` (module docstring).
     ``lower(k, a, b)``: a cheap lower bound on ``stage(k, a, b)`` (default 0); ``key(k, a, b)``:
     stages with equal keys cost the same (equal GPUs, equal layers), so one is priced for all;
     ``monotone``: prices never decrease as a stage takes more layers (module docstring)."""
@@ -77,6 +87,8 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         cost, stages = _cheapest(optimistic, links, L, K, objective)
         if not stages:
             return None
+        if cost > ceiling:
+            return Split((), cost, len(price))
         unpriced = [s for s in stages if keys[s] not in price]
         if not unpriced:
             return Split(stages, cost, len(price))

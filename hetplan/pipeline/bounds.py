@@ -18,14 +18,21 @@ holds at most ``cap / expert_bytes`` experts, so at least the expected bytes of 
 the MoE stages of the chain take at least that together, the other stages their own times
 besides: ``t >= chain_dense + max(chain_moe, cold / (bw_cpu + bw_h2d))``.
 Last, the bytes read that exist before the step (weights, a decode's cached keys and values:
-``transient_bytes`` left out) beyond ``cap`` (``held - cap``) are each either copied over the
+``transient_bytes`` left out) beyond what HBM can hold of them are each either copied over the
 link or read by the CPU while it computes with them (what a step writes and reads again, its
-activations, may all stay in HBM), and the CPU reads at most ``r`` bytes a second,
-``r`` the highest bytes-per-CPU-second of any stage in the range (a dense stage's ``bytes /
-cpu_s``; an MoE stage's ``min(bw_cpu, peak_cpu * max(bytes / flops))`` over its experts, shared
-experts and router, any of which may go to the CPU): ``t >= (nbytes - cap) / (bw_h2d + r)``.
-In a prefill the CPU is compute-bound, so ``r`` is far below its DRAM bandwidth and a stage
-that does not fit in HBM is seen to cost what it does.
+activations, may stay in HBM). HBM holds at most ``cap' = cap - workspace`` of them (a plan
+that uses the GPU at all reserves the workspace; one that does not runs every stage on the CPU,
+which costs at least as much as any choice below). So ``O = held - cap'`` bytes are off HBM,
+``x`` of them read by the CPU and ``O - x`` over the link (``(O - x) / bw_h2d`` seconds); the
+CPU reads stage ``i``'s ``h_i`` held bytes by running it, ``c_i`` seconds. In a chain phase
+that time adds to the chain: ``t >= chain + sum c_i`` with ``c_i`` what the CPU costs beyond
+the stage's fastest device (0 for an MoE stage, whose least split time the chain already
+takes, and for a stage the CPU runs fastest); in a prefill of several chunks the CPU is one
+resource, ``t >= sum c_i`` with ``c_i`` its CPU time (an MoE stage's, at least its held bytes
+over the DRAM bandwidth). Relaxed to fractions of stages, the least ``t`` is a fractional
+knapsack: the CPU takes stages by most held bytes per second first (``offload_s``). The CPU's
+rates are rounded up to a geometric grid (``RATE_GRID``), which only lowers the bound, so that
+a range sums a few classes of prefix sums.
 A step takes at least its chain and at least its link's busy time, so at least any weighted
 mean of the two, ``t >= (1 - w) chain + w link`` (``w = LINK_WEIGHT``); charged to each block's
 cheapest way of running, a streamed MoE block then costs its GPU time plus ``w / (1 - w)``
@@ -50,6 +57,11 @@ from hetplan.workload import Workload
 PHASES = ("prefill", "decode")
 LINK_WEIGHT = 0.01
 """``w`` of the weighted bound ``t >= (1 - w) chain + w link`` (module docstring)."""
+RATE_GRID = 1.02
+"""Ratio between neighbouring CPU rates (held bytes per second) the offload bound rounds up to."""
+FREE = math.inf
+"""The class of held bytes the CPU reads at no cost to the bound (an MoE stage in a chain, or a
+stage the CPU runs fastest)."""
 
 
 def transient_bytes(work, spec: ModelSpec) -> float:
@@ -75,24 +87,33 @@ class StageBound:
                     for b in problem.graph.blocks}
         self.spec, self.hw, self.n_layers = spec, hw, L
         self.cap = problem.gpu_budget_bytes
+        self.resident = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
         self._seconds = {}
-        self.prefix, self.rate = {}, {}
+        self.prefix, self.offload = {}, {}
+        cpu_bw = hw.cpu.mem_bytes_per_s * hw.efficiency["cpu_mem"]
         for phase in PHASES:
             nbytes, flops, chain, moe, priced, held = ([0.0] * (L + 2) for _ in range(6))
-            rate = [0.0] * (L + 2)
+            chained = phase == "decode" or wl.n_chunks == 1
+            by_rate: dict = {}   # rate class -> held bytes per position
             for sc in problem.stages[phase]:
                 st, at = sc.stage, position[sc.stage.block]
+                h = st.work.bytes - transient_bytes(st.work, spec)
                 nbytes[at] += st.work.bytes
-                held[at] += st.work.bytes - transient_bytes(st.work, spec)
+                held[at] += h
                 flops[at] += st.work.flops
-                (moe if st.kind == "moe" else chain)[at] += self._chain_s(sc, problem, phase)
+                fastest = self._chain_s(sc, problem, phase)
+                (moe if st.kind == "moe" else chain)[at] += fastest
                 priced[at] += self._chain_s(sc, problem, phase, streamed_s=problem.load_s.get(st.block))
-                rate[at] = max(rate[at], self._cpu_rate(sc, problem, phase))
-            self.rate[phase] = _range_max(rate)
-            if phase == "prefill" and wl.n_chunks > 1:
+                if h > 0:
+                    cost = (0.0 if st.kind == "moe" else sc.cpu_s - fastest) if chained else \
+                        (h / cpu_bw if st.kind == "moe" else sc.cpu_s)
+                    by_rate.setdefault(_rate_class(h, cost), [0.0] * (L + 2))[at] += h
+            if not chained:
                 chain, moe, priced = [0.0] * (L + 2), [0.0] * (L + 2), [0.0] * (L + 2)
             self.prefix[phase] = tuple(list(accumulate(x, initial=0.0))
                                        for x in (nbytes, flops, chain, moe, priced, held))
+            self.offload[phase] = [(rate, list(accumulate(by_rate[rate], initial=0.0)))
+                                   for rate in sorted(by_rate, reverse=True)]
 
         layers = problem.experts.get("decode", {})
         alike = len({(e.wbytes, e.expert_bytes) for e in layers.values()}) == 1
@@ -120,23 +141,17 @@ class StageBound:
                                                       work.bytes - transient_bytes(work, self.spec)))
         return fastest
 
-    def _cpu_rate(self, sc, problem, phase: str) -> float:
-        """The most bytes a second the CPU reads running (any part of) stage ``sc``."""
-        st = sc.stage
-        layer = problem.experts.get(phase, {}).get(st.block) if st.kind == "moe" else None
-        if layer is None:
-            return st.work.bytes / sc.cpu_s if sc.cpu_s > 0 else math.inf
-        parts = [(w + 2 * r, f) for w, r, f in zip(layer.wbytes, layer.rows, layer.flops)]
-        parts += [(layer.shared_bytes, layer.shared_flops), (layer.route_bytes, layer.route_flops)]
-        ratio = max((b / f if f > 0 else math.inf) for b, f in parts if b > 0)
-        return min(layer.cpu.bytes_per_s, layer.cpu.flops_per_s * ratio)
-
-    def overflow_s(self, phase: str, first: int, end: int, nbytes: float) -> float:
-        """The weight bytes beyond HBM over the link and the CPU together (module docstring)."""
+    def offload_s(self, phase: str, first: int, end: int, base: float) -> float:
+        """The least seconds a step of positions ``[first, end)`` takes with the held bytes beyond
+        HBM's room read by the CPU or copied over the link (module docstring); ``base``: the
+        chain's seconds with every stage on its fastest device (0 outside a chain)."""
         hw = self.hw
-        if hw.gpu is None or nbytes <= self.cap:
+        held = self.prefix[phase][5]
+        over = held[end] - held[first] - self.resident
+        if hw.gpu is None or over <= 0:
             return 0.0
-        return (nbytes - self.cap) / (hw.h2d_bytes_per_s * hw.efficiency["link"] + self.rate[phase][first][end])
+        classes = [(rate, sums[end] - sums[first]) for rate, sums in self.offload[phase]]
+        return offload_s(over, hw.h2d_bytes_per_s * hw.efficiency["link"], base, classes)
 
     def phase_s(self, phase: str, a: int, b: int) -> float:
         """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
@@ -148,7 +163,7 @@ class StageBound:
                    (1 - LINK_WEIGHT) * (priced[end] - priced[first]),
                    work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
                                       self.cap, weights),
-                   self.overflow_s(phase, first, end, weights))
+                   self.offload_s(phase, first, end, chain[end] - chain[first] + moe[end] - moe[first]))
 
     def cold_experts_s(self, first: int, end: int) -> float:
         """Decode: the expected bytes of the experts HBM cannot hold, over DRAM and the link."""
@@ -182,13 +197,27 @@ class StageBound:
         return self._seconds[key]
 
 
-def _range_max(values: list) -> list:
-    """``out[i][j]`` = max of ``values[i:j]`` (0 when empty), every ``i <= j``."""
-    out = []
-    for i in range(len(values) + 1):
-        row, m = [0.0] * (len(values) + 1), 0.0
-        for j in range(i, len(values)):
-            m = max(m, values[j])
-            row[j + 1] = m
-        out.append(row)
-    return out
+def _rate_class(nbytes: float, seconds: float) -> float:
+    """``nbytes / seconds`` rounded up to the next power of ``RATE_GRID`` (``FREE`` at no cost)."""
+    if seconds <= 0:
+        return FREE
+    return RATE_GRID ** math.ceil(math.log(nbytes / seconds, RATE_GRID))
+
+
+def offload_s(over: float, link: float, base: float, classes: list) -> float:
+    """The least ``t >= base`` at which ``over`` bytes leave HBM: the link carries ``link * t``
+    and the CPU, with ``t - base`` seconds, reads ``classes`` ((bytes per second, bytes), in
+    decreasing rate, ``FREE`` first) whole or in part in that order. The bytes placed by ``t``
+    rise piecewise linearly; the answer is where they reach ``over``."""
+    room = over - sum(nbytes for rate, nbytes in classes if rate == FREE)
+    spent = 0.0   # CPU seconds of the classes taken whole so far
+    if room <= link * base:
+        return base
+    for rate, nbytes in classes:
+        if rate == FREE or nbytes <= 0:
+            continue
+        if link * (base + spent + nbytes / rate) + nbytes >= room:   # reached within this class
+            return (room + rate * (base + spent)) / (link + rate)
+        room -= nbytes
+        spent += nbytes / rate
+    return max(base + spent, room / link)

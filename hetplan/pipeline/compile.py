@@ -12,6 +12,7 @@ Also ``--gpu-mem`` per GPU. Knows nothing about torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from hetplan import progress
 from hetplan.errors import HetplanError, InfeasibleError
@@ -105,10 +106,11 @@ def compile_pipeline(spec, hw, req, routing=None):
     batches = [1 << i for i in range(req.batch.bit_length()) if 1 << i <= req.batch] \
         if req.objective == "throughput" else [req.batch]
     solve = stage_solver(req, moe_stages=True)
+    ceiling = math.inf if req.ceiling_s is None else req.ceiling_s
     if req.replicas > 1:   # the replica count given (``compile --serve`` weighs each): one batch, no search
-        best = replicated(spec, topo, req.replicas, _workload(req), solve, objective)
+        best = replicated(spec, topo, req.replicas, _workload(req), solve, objective, ceiling)
     else:
-        best, failure = best_batch(spec, topo, req, batches, solve, objective)
+        best, failure = best_batch(spec, topo, req, batches, solve, objective, ceiling)
         if best is not None and objective == "max":
             best = best_replicas(spec, topo, best, solve)
         if best is None:
@@ -123,12 +125,13 @@ def compile_pipeline(spec, hw, req, routing=None):
     return dataclasses.replace(first, inputs=inputs, pipeline=record), solve_s
 
 
-def best_batch(spec, topo: Topology, req, batches: list, solve, objective: str) -> tuple:
+def best_batch(spec, topo: Topology, req, batches: list, solve, objective: str, ceiling: float = math.inf) -> tuple:
     """(the pipeline of the batch in ``batches`` with the fewest seconds per sequence, the smallest
     of equals, or None; the InfeasibleError of the smallest batch that did not fit, or None).
     The largest batch is planned first; a smaller one whose pipeline cannot beat the best so far,
     by its lower bound (``pipeline_lower_bound``), is not solved. A batch that does not fit
-    leaves the smaller ones to try (a larger one would not fit either: its KV caches are larger)."""
+    leaves the smaller ones to try (a larger one would not fit either: its KV caches are larger).
+    ``ceiling``: ``plan_pipeline``'s (Outclassed)."""
     from hetplan.compiler import _workload
 
     best, failure = None, None
@@ -141,7 +144,7 @@ def best_batch(spec, topo: Topology, req, batches: list, solve, objective: str) 
         with progress.step(f"choosing pipeline stages over the {len(topo.devices)} devices of {topo.name!r}"
                            + (f" (batch {batch})" if len(batches) > 1 else "")):
             try:
-                pp = plan_pipeline(spec, topo, wl, solve, objective)
+                pp = plan_pipeline(spec, topo, wl, solve, objective, ceiling)
             except InfeasibleError as e:
                 failure = e
                 continue
@@ -177,19 +180,24 @@ BOUND_ROUNDING = 1e-9
 order than the price it bounds may round a few ulps above it."""
 
 
-def replicated(spec, topo: Topology, r: int, wl, solve, objective: str = "max") -> PipelinePlan:
+def replicated(spec, topo: Topology, r: int, wl, solve, objective: str = "max",
+               ceiling: float = math.inf) -> PipelinePlan:
     """``r`` replicas of the best pipeline (``objective``: ``max``, throughput; ``sum``, latency,
     what each replica of a serving plan minimises) over the first of ``r`` alike groups of
     ``topo``'s devices (``hetplan.pipeline.replicas``); InfeasibleError when the devices do not
-    cut into ``r`` alike groups, a group holds no pipeline, or the replicas' DRAM does not fit."""
-    from hetplan.pipeline.replicas import first_group, replica_step, replicas_fit_dram
+    cut into ``r`` alike groups, a group holds no pipeline, or the replicas' DRAM does not fit;
+    ``ceiling``: ``plan_pipeline``'s, for one replica (Outclassed)."""
+    from hetplan.pipeline.replicas import first_group, replica_step, replicas_fit_dram, replicas_may_fit_dram
 
     group = first_group(topo, r)
     if group is None:
         raise InfeasibleError(f"the devices of {topo.name!r} do not cut into {r} alike groups; choose a replica "
                               f"count that does")
+    if not replicas_may_fit_dram(spec, topo, r, wl):
+        raise InfeasibleError(f"{spec.name}: {r} replicas of the pipeline do not fit in the DRAM of "
+                              f"{topo.name!r} together")
     with progress.step(f"choosing pipeline stages for {r} replicas over {len(group.devices)} devices each"):
-        pp = plan_pipeline(spec, group, wl, solve, objective)
+        pp = plan_pipeline(spec, group, wl, solve, objective, ceiling)
     if not replicas_fit_dram(topo, r, pp.stages):
         raise InfeasibleError(f"{spec.name}: {r} replicas of the pipeline do not fit in the DRAM of "
                               f"{topo.name!r} together")

@@ -154,7 +154,18 @@ def micro_batch_count(objective: str, n_stages: int) -> int:
     return n_stages if objective == "max" else 1
 
 
-def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str = "sum") -> PipelinePlan:
+class Outclassed(Exception):
+    """A pipeline search stopped at its ceiling: every split of the model costs more
+    (``seconds``, a lower bound, is above the ceiling). Not a user error: the caller weighing
+    several searches (``compile --serve``) has a better plan already."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"every split costs at least {seconds:g} s")
+        self.seconds = seconds
+
+
+def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str = "sum",
+                  ceiling: float = math.inf) -> PipelinePlan:
     """The best pipeline of ``spec`` over the devices of ``hw`` (a HardwareSpec: its GPUs; or a
     ``Topology``: every node's GPUs, or its CPU where it has none). ``solve_stage(problem)`` is
     the single-device planner: a Plan, or None when nothing fits. Stages are priced once per
@@ -197,7 +208,9 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         p = stage_plan(k, a, b, n_kv)
         return math.inf if p is None else seconds(p.predicted["ttft_s"], p.predicted["tpot_s"])
 
-    split = best_split(L, len(devices), stage, link, objective, lower, key)
+    split = best_split(L, len(devices), stage, link, objective, lower, key, ceiling=ceiling)
+    if split is not None and split.outclassed:
+        raise Outclassed(split.cost_s)
     if split is None:
         raise InfeasibleError(f"{spec.name}: no split of its {L} layers over the {len(devices)} devices of "
                               f"{topo.name!r} fits (each stage's GPU, with its host's DRAM)")

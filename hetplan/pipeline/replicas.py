@@ -5,7 +5,8 @@ A group is ``devices / r`` consecutive devices: GPUs ``[i q, (i+1) q)`` of a sin
 nodes ``[i q, (i+1) q)`` of a cluster (a cluster of multi-GPU nodes is cut along its nodes only).
 The groups must be alike (the same GPUs and the same links between them, or the same nodes),
 so that one pipeline planned on the first group serves every group. Replicas on the same node
-share its DRAM: their stages' CPU bytes together must fit. The groups exchange nothing, so no
+share its DRAM: their stages' CPU bytes together must fit; and its CPU: each is planned with
+``1 / r`` of the cores, FLOP/s and DRAM bandwidth (``cpu_share``). The groups exchange nothing, so no
 link between them is priced. Knows nothing about models or solvers.
 """
 
@@ -42,7 +43,20 @@ def first_group(topo: Topology, r: int) -> Topology | None:
     groups = [_gpu_group(hw, i * q, q) for i in range(r)]
     if any(_alike(g) != _alike(groups[0]) for g in groups):
         return None
-    return Topology(topo.name, (groups[0],))
+    return Topology(topo.name, (cpu_share(groups[0], r),))
+
+
+def cpu_share(hw, r: int):
+    """Node ``hw`` as one of ``r`` replicas side by side on it sees it: ``1 / r`` of its CPU's
+    cores, FLOP/s and DRAM bandwidth (every replica busy at once, as a serving or batch plan has
+    them; the runtime gives each ``cores // r`` threads), and all of its DRAM's capacity, which
+    ``replicas_fit_dram`` shares out."""
+    if r == 1:
+        return hw
+    cpu = hw.cpu
+    return dataclasses.replace(hw, cpu=dataclasses.replace(
+        cpu, cores=max(1, cpu.cores // r) if cpu.cores else 0, mem_bytes_per_s=cpu.mem_bytes_per_s / r,
+        flops_per_s={k: v / r for k, v in cpu.flops_per_s.items()}))
 
 
 def replica_step(topo: Topology, r: int) -> dict:
@@ -77,3 +91,20 @@ def replicas_fit_dram(topo: Topology, r: int, stages) -> bool:
         per_node[s.node] = per_node.get(s.node, 0.0) + s.plan.memory["cpu_bytes"]
     share = r if len(topo.nodes) == 1 else 1
     return all(share * nbytes <= topo.nodes[n].cpu_budget_bytes() for n, nbytes in per_node.items())
+
+
+def replicas_may_fit_dram(spec, topo: Topology, r: int, wl) -> bool:
+    """Before any stage is solved: whether ``r`` replicas sharing one node's DRAM can fit at all.
+    A replica's weights and KV caches beyond its group's whole GPU budget sit in DRAM, so ``r``
+    of them need at least ``r x (weights + KV - GPU budgets)`` there (``replicas_fit_dram``
+    checks the plan's own bytes, at least that much). Replicas on nodes of their own: True."""
+    from hetplan.problem import build_problem
+
+    if len(topo.nodes) > 1 or r == 1:
+        return True
+    group = first_group(topo, r)
+    hw = group.nodes[0]
+    need = sum(b.weight_bytes + b.kv_bytes for b in build_problem(spec, group.device_hw(group.devices[0]), wl).blocks)
+    gpus = sum(max(0, g.memory_bytes - hw.gpu_reserve_bytes) for g in hw.gpus)
+    return r * max(0.0, need - gpus) <= hw.cpu_budget_bytes()
+

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from hetplan.compiler import CompileRequest, CompileTime, compile_plan, load_machine, parse_strategy, several_devices
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.pipeline.compile import BOUND_ROUNDING
+from hetplan.pipeline.plan import Outclassed
 from hetplan.pipeline.record import replicas_of
 from hetplan.pipeline.replicas import replica_counts
 from hetplan.pipeline.topology import Topology
@@ -149,7 +150,9 @@ def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
     solve seconds). On one device, every batch up to the first that does not fit. Over several,
     the candidates in order of their ``ThroughputBound``, highest first; a candidate whose bound
     cannot beat the most throughput of a plan found within the SLOs is not compiled (nor is a
-    batch as large as one that did not fit). InfeasibleError when nothing fits."""
+    batch as large as one that did not fit), and one compiled stops as soon as its pipeline
+    search sees that it cannot (its latency ceiling, ``r b gen_len / best``: ``Outclassed``).
+    InfeasibleError when nothing fits."""
     options, batches = replica_options(req), batches_up_to(sreq.max_batch)
     order = [(1, b) for b in batches]
     bound = {}
@@ -162,8 +165,12 @@ def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
         if b >= too_big.get(r, math.inf) or bound.get((r, b), math.inf) * (1 + BOUND_ROUNDING) < best:
             continue
         one = candidate(req, r, b)
+        if best > 0 and len(options) > 1:   # its pipeline search stops once it cannot beat ``best``
+            one = dataclasses.replace(one, ceiling_s=r * b * req.gen_len / best * (1 + BOUND_ROUNDING))
         try:
             plan, took = compile_plan(one)
+        except Outclassed:
+            continue
         except InfeasibleError as e:
             too_big[r] = min(b, too_big.get(r, math.inf))
             if failure is None or r == 1:   # the whole machine's failure is the one to say

@@ -111,7 +111,8 @@ def test_the_throughput_pipeline_minimises_its_slowest_stage():
     assert 1 / pp.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(min(slowest.values()), rel=1e-9)
 
 
-@pytest.mark.parametrize("wl", [WL, dataclasses.replace(WL, batch=4, prompt_len=256, prefill_chunk=64)])
+@pytest.mark.parametrize("wl", [WL, dataclasses.replace(WL, batch=4, prompt_len=256, prefill_chunk=64),
+                                dataclasses.replace(WL, batch=16, prompt_len=128, prefill_chunk=128)])
 @pytest.mark.parametrize("moe", [False, True])
 def test_the_cheap_stage_bound_never_exceeds_the_solved_stage(moe, wl):
     from hetplan.pipeline.bounds import StageBound
@@ -129,6 +130,20 @@ def test_the_cheap_stage_bound_never_exceeds_the_solved_stage(moe, wl):
                 prefill, decode = bound(a, b)
                 assert prefill <= plan.predicted["ttft_s"] * (1 + 1e-9), (gpu_mib, a, b)
                 assert decode <= plan.predicted["tpot_s"] * (1 + 1e-9), (gpu_mib, a, b)
+
+
+def test_the_offload_bound_is_the_least_time_link_and_cpu_together_move_the_bytes_beyond_hbm():
+    from hetplan.pipeline.bounds import FREE, offload_s
+
+    # 100 bytes off HBM, a 10 B/s link, a 1 s chain; 20 bytes free, then 40 bytes read at 40 B/s
+    # of CPU time, then 100 at 5 B/s. At t = 2 the link has carried 20 and the CPU 20 + 40, 20
+    # short; from there the link and the CPU at 5 B/s add 15 B/s: t = 2 + 20 / 15 = 10 / 3.
+    assert offload_s(100, 10, 1, [(FREE, 20), (40, 40), (5, 100)]) == pytest.approx(10 / 3)
+    assert offload_s(5, 10, 1, []) == 1                   # the link carries it within the chain
+    assert offload_s(100, 10, 0, []) == pytest.approx(10)  # no CPU: the link alone
+    assert offload_s(100, 10, 0, [(FREE, 100)]) == 0      # the CPU reads it all at no cost
+    # the CPU takes both classes whole by t = 2 (60 bytes); the link needs t = 40 / 10 = 4
+    assert offload_s(100, 10, 0, [(40, 40), (20, 20)]) == pytest.approx(4)
 
 
 def test_gpu_mem_sets_each_gpu_budget_and_refuses_a_gpu_that_is_not_there():

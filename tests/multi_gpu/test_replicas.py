@@ -95,6 +95,45 @@ def test_replicas_on_one_node_share_its_dram():
     assert not replicas_fit_dram(Topology.of(tight), 2, pp.stages)
 
 
+def test_replicas_side_by_side_on_one_node_each_get_their_share_of_its_cpu():
+    # 1 MiB GPUs: the model runs blocks on the CPU, so the CPU's speed shows in the plan. Two
+    # replicas of one GPU each: each plans as one GPU beside half the CPU (half its cores, FLOP/s
+    # and DRAM bandwidth, every replica busy at once), all of the DRAM's capacity its own to plan
+    spec = tiny_spec(n_layers=4)
+    hw = gpus(1 / 1024, 1 / 1024)
+    cpu = hw.cpu
+    half = dataclasses.replace(gpus(1 / 1024), cpu=dataclasses.replace(
+        cpu, cores=cpu.cores // 2, mem_bytes_per_s=cpu.mem_bytes_per_s / 2,
+        flops_per_s={k: v / 2 for k, v in cpu.flops_per_s.items()}))
+    alone = SOLVE(stage_problem(spec, half, WL, 0, 0, 4))
+    whole_cpu = SOLVE(stage_problem(spec, gpus(1 / 1024), WL, 0, 0, 4))
+    assert alone.predicted["tpot_s"] > whole_cpu.predicted["tpot_s"]   # the CPU matters here
+    pp = replicated(spec, Topology.of(hw), 2, WL, SOLVE)
+    assert pp.replicas == 2 and len(pp.stages) == 1
+    assert pp.stages[0].plan.predicted["tpot_s"] == pytest.approx(alone.predicted["tpot_s"], rel=1e-9)
+    assert pp.predicted()["pipelined_decode_tokens_per_s"] == pytest.approx(
+        2 * WL.batch / alone.predicted["tpot_s"], rel=1e-9)
+
+
+def test_replicas_whose_weights_beyond_the_gpus_cannot_share_the_dram_are_refused_before_any_solve():
+    spec = tiny_spec(n_layers=4)
+    hw = gpus(2 / 1024, 2 / 1024, 2 / 1024, 2 / 1024)
+    whole = SOLVE(stage_problem(spec, gpus(1), WL, 0, 0, 4))   # every block's weights and KV, as placed
+    need = sum(p["weight_bytes"] + p["kv_bytes"] for p in whole.placement)
+    beyond = need - 2 * (2 * 2**20 - hw.gpu_reserve_bytes)   # one replica of 2 GPUs: beyond their HBM
+    assert beyond > 0
+    for dram, refused in [(1.9 * beyond, True), (None, False)]:
+        node = hw if dram is None else dataclasses.replace(
+            hw, cpu=dataclasses.replace(hw.cpu, memory_bytes=int(dram) + hw.cpu_reserve_bytes))
+        solve = counting(SOLVE)
+        if refused:   # two replicas need 2 x beyond in DRAM: refused, nothing solved
+            with pytest.raises(InfeasibleError, match="2 replicas of the pipeline do not fit in the DRAM"):
+                replicated(spec, Topology.of(node), 2, WL, solve)
+            assert solve.calls == 0
+        else:
+            assert replicated(spec, Topology.of(node), 2, WL, solve).replicas == 2 and solve.calls > 0
+
+
 def counting(solve):
     """``solve``, counting its calls in ``.calls``."""
     def wrapped(problem):

@@ -73,6 +73,23 @@ def test_a_small_fast_gpu_takes_what_it_holds_and_the_slow_one_the_rest():
     assert best_split(4, 2, stage, lambda j, k: 0.5, "max").cost_s == pytest.approx(4.0)
 
 
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(20))
+def test_a_ceiling_below_the_brute_force_optimum_stops_the_search_and_one_above_changes_nothing(seed, objective):
+    rng = random.Random(seed)
+    L, K = rng.randint(2, 7), rng.randint(1, 4)
+    stage, link = monotone_costs(rng, L, K)
+    want = brute_force(L, K, stage, link, objective)
+    if want == math.inf:
+        return
+    lower = lambda k, a, b: 0.5 * stage(k, a, b)   # noqa: E731  a valid, loose bound: stages get priced
+    free = best_split(L, K, stage, link, objective, lower)
+    assert best_split(L, K, stage, link, objective, lower, ceiling=want * 1.001) == free
+    stopped = best_split(L, K, stage, link, objective, lower, ceiling=want * 0.999)
+    assert stopped.outclassed and want * 0.999 < stopped.cost_s <= want * (1 + 1e-12)
+    assert stopped.priced <= free.priced
+
+
 def test_nothing_fits_gives_no_split():
     assert best_split(3, 2, lambda k, a, b: math.inf, lambda j, k: 0.0) is None
 
