@@ -110,7 +110,7 @@ class Lifeline:
                     self._on_stop()
                 return
             if kind == FAILED:
-                self.fail(f"{self.name}: stopped, since {self.ranks.name(about)} failed (its own line says why); "
+                self.fail(f"{self.name}: stopped, since {self.ranks.name(about)} stopped (rank 0's line says how); "
                           f"every process of every replica stops")
                 return
 

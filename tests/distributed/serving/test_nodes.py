@@ -5,10 +5,12 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the nodes emulated on this machine, the re
 
 Two nodes, two replicas of one stage: six concurrent requests through rank 0's front get
 transformers' greedy tokens each and both replicas serve some (their own /metrics, through the
-front); a replica's process killed makes every other exit 2 with one line within 15 s. Four
-nodes, two replicas of a two-stage pipeline: transformers' tokens, then Ctrl-C on rank 0 stops
-all four processes (exit 0, no error). A WORLD_SIZE other than replicas x stages is one line,
-exit 2; such a plan started without torchrun is refused in one line.
+front); Ctrl-C on rank 0 stops both processes (exit 0, no error). Four nodes, two replicas of a
+two-stage pipeline: transformers' tokens, then one replica's second stage killed makes the
+three other processes exit 2 with one line each within 15 s. A one-node replicas plan under
+torchrun is served the same way. A WORLD_SIZE other than replicas x stages is one line, exit 2;
+a rendezvous that never completes, one line within --dist-timeout; such a plan started without
+torchrun is refused in one line.
 
 The plans: ``compile --serve`` of the tiny llama on a cluster of two one-GPU nodes (each GPU
 holds it); and the throughput plan of two replicas over four one-GPU nodes of 400 KiB of GPU
@@ -34,7 +36,7 @@ from hetplan.serving import ServingRequest, compile_serving
 from hetplan.workload import Workload
 from tests.distributed.pipelines import NODE, _written, lines_of
 from tests.distributed.serving.test_cli import errors, gone, listening, rest, started
-from tests.distributed.serving.test_replicas import ask_all, metric, prompts
+from tests.distributed.serving.test_replicas import ask_all, metric, prompts, two_replicas  # noqa: F401 (a fixture)
 
 ONE_GPU = NODE.replace("  - {name: g, memory: 64MiB, mem_bandwidth: 100GB/s, flops: {fp32: 10TFLOPS}}\n", "", 3)
 
@@ -91,7 +93,7 @@ def ended(procs: list, seconds: float) -> list:
     return [p.returncode for p in procs]
 
 
-def test_two_replicas_on_nodes_of_their_own_answer_through_rank_0_and_a_killed_one_stops_every_process(two_nodes):
+def test_two_replicas_on_nodes_of_their_own_answer_through_rank_0_and_ctrl_c_on_rank_0_stops_both(two_nodes):
     plan_path, directory, model = two_nodes
     items = prompts(model)
     port = free_port()
@@ -109,21 +111,17 @@ def test_two_replicas_on_nodes_of_their_own_answer_through_rank_0_and_a_killed_o
         assert sum(dealt) == 6 and min(dealt) >= 1, dealt
         assert [metric(metrics, f'hetplan_requests_completed_total{{replica="{r}"}}') for r in (0, 1)] == dealt
         assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
-        os.kill(procs[1].pid, signal.SIGKILL)
-        killed = time.monotonic()
-        procs[0].wait(timeout=60)
-        took = time.monotonic() - killed
     finally:
-        codes = ended(procs, 30)
-    err = rest(streams[0], seen[0])
-    assert codes[0] == 2 and took < 15, (codes, took, err)
-    (line,) = errors(err)
-    assert line.startswith("hetplan: error: replica 0 stage 0: replica 1 stage 0 stopped ("), line
-    assert "every process of every replica was stopped" in line and "Traceback" not in err
-    assert gone(procs[1].pid)
+        procs[0].send_signal(signal.SIGINT)
+        codes = ended(procs, 60)
+    errs = [rest(s, w) for s, w in zip(streams, seen)]
+    assert codes == [0, 0], (codes, errs)
+    assert not any(errors(e) or "Traceback" in e for e in errs), errs
 
 
-def test_two_replicas_of_a_pipeline_over_four_nodes_answer_and_ctrl_c_on_rank_0_stops_all(llama_files, tmp_path):
+def test_a_killed_stage_of_one_replica_stops_every_process_of_both_in_one_line_each(llama_files, tmp_path):
+    """Two replicas of a two-stage pipeline over four nodes: replica 1's second stage killed once
+    they answered, the three others exit 2 within 15 s, one line each."""
     model_dir, _, model = llama_files
     topo = with_gpu_budgets(load_hardware(cluster(tmp_path, 4)), "400KiB", 400 * 1024)
     wl = Workload(2, 16, 24, objective="throughput", prefill_chunk=8)
@@ -143,25 +141,55 @@ def test_two_replicas_of_a_pipeline_over_four_nodes_answer_and_ctrl_c_on_rank_0_
         listening(port)
         assert ask_all(port, items) == [ref for _, ref in items]
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert metric(metrics, "hetplan_requests_completed_total") == 4
+        assert min(metric(metrics, f'hetplan_replica_requests_total{{replica="{r}"}}') for r in (0, 1)) >= 1
+        os.kill(procs[3].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        codes = ended(procs[:3], 15)
+        took = time.monotonic() - killed
+    finally:
+        ended(procs, 1)
+    errs = [rest(s, w) for s, w in zip(streams[:3], seen[:3])]
+    assert codes == [2, 2, 2] and took < 15, (codes, took, errs)
+    lines = [errors(e) for e in errs]
+    assert [len(x) for x in lines] == [1, 1, 1], errs
+    assert lines[0][0].startswith("hetplan: error: replica 0 stage 0: replica 1 stage ") and " stopped (" in lines[0][0]
+    assert [x[0].split(":")[2].strip() for x in lines] == ["replica 0 stage 0", "replica 0 stage 1",
+                                                           "replica 1 stage 0"]
+    assert not any("Traceback" in e for e in errs), errs
+
+
+def test_a_one_node_replicas_plan_under_torchrun_is_served_the_same_way(two_replicas):
+    """Two replicas side by side on one node's two GPUs (``replica_step.gpus``), one torchrun
+    process each: the same tokens through rank 0's front."""
+    plan_path, directory, model = two_replicas
+    items = prompts(model, 2)
+    port = free_port()
+    procs = start(plan_path, directory, 2, port)
+    streams = [lines_of(p) for p in procs]
+    seen = [[], []]
+    try:
+        line = started(streams[0], seen[0])
+        assert "each one emulated GPU in one process on 1 GPU(s) of its own" in line, line
+        listening(port)
+        assert ask_all(port, items) == [ref for _, ref in items]
     finally:
         procs[0].send_signal(signal.SIGINT)
         codes = ended(procs, 60)
     errs = [rest(s, w) for s, w in zip(streams, seen)]
-    assert codes == [0, 0, 0, 0], (codes, errs)
-    assert not any(errors(e) or "Traceback" in e for e in errs), errs
+    assert codes == [0, 0] and not any(errors(e) or "Traceback" in e for e in errs), (codes, errs)
 
 
 def test_a_world_size_other_than_replicas_times_stages_is_one_line(two_nodes):
     plan_path, directory, _ = two_nodes
-    procs = start(plan_path, directory, 3, free_port())
-    codes = ended(procs, 120)
-    assert codes == [2, 2, 2]
-    for p in procs:
-        err = p.stderr.read()
-        (line,) = errors(err)
-        assert "the plan serves 2 replicas x 1 stage(s) = 2 processes" in line and "start 2 processes" in line
-        assert line.startswith("hetplan: error: WORLD_SIZE 3, RANK ") and "Traceback" not in err
+    (proc,) = start(plan_path, directory, 3, free_port(), ranks=[0])   # the others say the same
+    (code,) = ended([proc], 120)
+    err = proc.stderr.read()
+    assert code == 2, err
+    (line,) = errors(err)
+    assert line == ("hetplan: error: WORLD_SIZE 3, RANK 0: the plan serves 2 replicas x 1 stage(s) = 2 processes, "
+                    "one per stage of each replica; start 2 processes in all (torchrun --nnodes and "
+                    "--nproc-per-node adding up to 2)")
+    assert "Traceback" not in err
 
 
 def test_replicas_on_nodes_of_their_own_started_without_torchrun_are_refused_in_one_line(two_nodes):
