@@ -109,9 +109,12 @@ def serve_under_torchrun(plan, weights: str, settings, host: str, port: int, emu
         if stage > 0:
             line.start(on_stop=lambda: None)   # its first stage stops it (STOP down the chain)
             from hetplan.runtime.serve.pipeline.stage import serve_stage
+            if on_ready is not None:
+                on_ready(False)
             named(name, serve_stage, part, peers, stage, ranks.stages, wire_dtype(plan))
             return
         engine = _engine(plan, part, peers, settings)
+        _fail_when_broken(engine, line)
         if rank == 0:
             _front(plan, engine, line, [heads[r] for r in ranks.first_stages()], host, port, timeout_s, on_ready)
         else:
@@ -141,6 +144,22 @@ def _engine(plan, part, peers, settings):
         raise
 
 
+def _fail_when_broken(engine, line: Lifeline) -> None:
+    """A pipeline's engine that breaks (one of its replica's stages failed) fails the whole at
+    once, with the engine's line: before its server stops and the engine leaves the process
+    group, which would break this process's lifeline too."""
+    broken = getattr(engine, "broken_event", None)
+    if broken is None:
+        return
+
+    def watch():
+        broken.wait()
+        if not line.stopping.is_set():
+            text = engine.broken or "the pipeline broke"
+            line.fail(text if text.startswith(f"{line.name}:") else f"{line.name}: {text}")
+    threading.Thread(target=watch, name="hetplan-serve-broken", daemon=True).start()
+
+
 def _replica(plan, engine, line: Lifeline, address: str, port: int, on_ready) -> None:
     """Replica ``r``'s (> 0) first stage: its server until rank 0 says ``STOP`` (stopped as
     SIGINT stops ``hetplan serve``) or something fails."""
@@ -162,14 +181,6 @@ def _front(plan, engine, line: Lifeline, urls: list, host: str, port: int, timeo
     from hetplan.runtime.serve.replicas.launch import wait_ready
 
     line.start(on_stop=None)
-    broken = getattr(engine, "broken_event", None)
-    if broken is not None:   # replica 0's own stages: one that fails stops the whole
-
-        def watch():
-            broken.wait()
-            if not line.stopping.is_set():
-                line.fail(engine.broken)
-        threading.Thread(target=watch, name="hetplan-serve-broken", daemon=True).start()
     try:
         with running(engine, whole_model(plan).name) as own:
             urls = [own] + urls[1:]
