@@ -10,9 +10,11 @@ ends send a pulse every ``PULSE_S`` and wait for the other's; nothing of serving
   ended: its connections closed, which gloo tells at once) or no pulse within the group's
   timeout (``--dist-timeout``: ``k``'s node gone silent). Then ``k`` failed: rank 0 tells every
   other process (``FAILED``, ``k``), says one line and exits 2.
-- Rank ``k`` hears from rank 0: a pulse; ``STOP`` (rank 0 stopped on Ctrl-C: ``on_stop``, and
+- Rank ``k`` hears from rank 0: a pulse; ``STOP`` (rank 0 stops on purpose: ``on_stop``, and
   the line may break from then on); ``FAILED`` (another process failed); or the line breaking
   or going silent (rank 0 failed). Failed: one line, exit 2.
+- Ctrl-C on another node than rank 0's: rank ``k`` asks rank 0 to stop (``ask_stop``: ``STOP``
+  along its line), and rank 0 stops as on its own Ctrl-C (``on_stop``), telling every process.
 
 A process that fails on its own (``fail``: its engine broke, a message to its stage failed)
 says its line and exits 2; its lines close with it, so rank 0 learns at once. Whichever comes
@@ -104,6 +106,10 @@ class Lifeline:
                               f"stops too")
                 return
             kind, about = msg.tolist()
+            if kind == STOP and self.rank == 0:   # rank ``peer`` asks for the whole to stop (Ctrl-C there)
+                if self._on_stop is not None and not self.stopping.is_set():
+                    self._on_stop()
+                continue
             if kind == STOP:
                 self.stopping.set()
                 if self._on_stop is not None:
@@ -132,6 +138,17 @@ class Lifeline:
             except (OSError, ValueError):
                 pass
         os._exit(code)
+
+    def ask_stop(self) -> None:
+        """Rank ``k`` > 0 (Ctrl-C on its node) asks rank 0 to stop every process; returns at once
+        (a signal handler's call)."""
+        def ask():
+            try:
+                dist.send(torch.tensor([STOP, self.rank]), 0, group=self.group)
+            except Exception:  # noqa: BLE001 - rank 0 gone: the listener says so
+                pass
+        if self.rank != 0:
+            threading.Thread(target=ask, name="hetplan-lifeline-ask", daemon=True).start()
 
     def stop_all(self) -> None:
         """Rank 0 stops on purpose: tell every other process ``STOP``."""

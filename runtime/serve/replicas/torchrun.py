@@ -18,7 +18,8 @@ replicas on nodes of their own, ``replica_step.nodes``, or side by side on one n
   (within ``--dist-timeout``).
 - After startup nothing goes over the whole world but the ``lifeline``'s pulses, so no replica
   waits on another; a process that fails or dies stops every process (one line each, exit 2),
-  Ctrl-C on rank 0 stops them all (exit 0).
+  Ctrl-C on any node stops them all (exit 0): rank 0 stops as ``hetplan serve`` does on SIGINT,
+  the others ask it to (``Lifeline.ask_stop``).
 
 Knows nothing about tensors beyond handing each stage its part.
 """
@@ -79,10 +80,10 @@ def url_of(address: str, port: int) -> str:
 
 def serve_under_torchrun(plan, weights: str, settings, host: str, port: int, emulate: bool | None = None,
                          seed: int = 0, timeout_s: float = 300.0, on_ready=None) -> None:
-    """Be process ``RANK`` of ``plan``'s replicas served under torchrun, until Ctrl-C on rank 0
+    """Be process ``RANK`` of ``plan``'s replicas served under torchrun, until Ctrl-C on any node
     (or a failure anywhere: one line, exit 2); ``on_ready(front)`` once this process serves
     (``front``: rank 0, whose front listens next)."""
-    from hetplan.runtime.serve.api.server import check_listen, free_port
+    from hetplan.runtime.serve.api.server import check_listen
     from hetplan.runtime.serve.pipeline.stage import StagePart
 
     ranks = Ranks.of(plan.pipeline)
@@ -98,34 +99,59 @@ def serve_under_torchrun(plan, weights: str, settings, host: str, port: int, emu
     part, peers = named(name, ready, plan, rank, "env://", opts, timeout_s, 1, prepare)
     try:
         line = Lifeline(ranks, rank, timeout_s)
-        address = advertised() if stage == 0 and rank != 0 else None
-        inner = free_port(address) if address else None
-        heads = line.gather(url_of(address, inner) if address else None)
     except BaseException:
         part.close()
         leave()
         raise
+    if rank != 0:   # Ctrl-C here (torchrun passes it on to each process) asks rank 0 to stop every one
+        signal.signal(signal.SIGINT, lambda *_: line.ask_stop())
     try:
         if stage > 0:
-            line.start(on_stop=lambda: None)   # its first stage stops it (STOP down the chain)
-            from hetplan.runtime.serve.pipeline.stage import serve_stage
-            if on_ready is not None:
-                on_ready(False)
-            named(name, serve_stage, part, peers, stage, ranks.stages, wire_dtype(plan))
-            return
-        engine = _engine(plan, part, peers, settings)
-        _fail_when_broken(engine, line)
-        if rank == 0:
-            _front(plan, engine, line, [heads[r] for r in ranks.first_stages()], host, port, timeout_s, on_ready)
+            _later_stage(plan, part, peers, line, on_ready)
         else:
-            _replica(plan, engine, line, address, inner, on_ready)
+            _first_stage(plan, part, peers, settings, line, host, port, timeout_s, on_ready)
     except HetplanError as e:
         line.fail(str(e) if str(e).startswith(f"{name}:") else f"{name}: {e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # rank 0, stopped by Ctrl-C: the others were told to stop
         if not line.stopping.is_set():
-            line.fail(f"{name}: interrupted; only Ctrl-C on rank 0 (the front) stops the replicas without a "
-                      f"failure", code=130)
+            raise
     line.end(0)
+
+
+def _later_stage(plan, part, peers, line: Lifeline, on_ready) -> None:
+    """A replica's stage after the first: its blocks for every step until its first stage stops
+    it (``STOP`` down the replica's chain)."""
+    from hetplan.runtime.serve.pipeline.stage import serve_stage
+
+    line.gather(None)
+    line.start(on_stop=None)
+    if on_ready is not None:
+        on_ready(False)
+    stage = line.ranks.split(line.rank)[1]
+    named(line.name, serve_stage, part, peers, stage, line.ranks.stages, wire_dtype(plan))
+
+
+def _first_stage(plan, part, peers, settings, line: Lifeline, host, port, timeout_s, on_ready) -> None:
+    """A replica's first stage: its engine and its server (rank 0: on 127.0.0.1, others: at the
+    ``advertised`` address), every replica's address exchanged once it listens; then rank 0
+    runs the front until Ctrl-C, the others serve until rank 0 says ``STOP``."""
+    from hetplan.runtime.serve.api.server import running
+
+    engine = _engine(plan, part, peers, settings)
+    _fail_when_broken(engine, line)
+    stopped = threading.Event()
+    with running(engine, whole_model(plan).name, host="127.0.0.1" if line.rank == 0 else advertised()) as url:
+        urls = line.gather(url)
+        line.start(on_stop=stopped.set if line.rank != 0 else lambda: os.kill(os.getpid(), signal.SIGINT))
+        if line.rank != 0:
+            if on_ready is not None:
+                on_ready(False)
+            stopped.wait()
+            return
+        try:
+            _front([urls[r] for r in line.ranks.first_stages()], host, port, timeout_s, on_ready)
+        finally:
+            line.stop_all()   # before replica 0's engine stops: its stages' lines may break from here
 
 
 def _engine(plan, part, peers, settings):
@@ -160,39 +186,18 @@ def _fail_when_broken(engine, line: Lifeline) -> None:
     threading.Thread(target=watch, name="hetplan-serve-broken", daemon=True).start()
 
 
-def _replica(plan, engine, line: Lifeline, address: str, port: int, on_ready) -> None:
-    """Replica ``r``'s (> 0) first stage: its server until rank 0 says ``STOP`` (stopped as
-    SIGINT stops ``hetplan serve``) or something fails."""
-    from hetplan.runtime.serve.api.server import serve_forever
-
-    line.start(on_stop=lambda: os.kill(os.getpid(), signal.SIGINT))
-    if on_ready is not None:
-        on_ready(False)
-    serve_forever(engine, address, port, whole_model(plan).name)
-
-
-def _front(plan, engine, line: Lifeline, urls: list, host: str, port: int, timeout_s: float, on_ready) -> None:
-    """Rank 0: replica 0's server on 127.0.0.1, then the front over every replica on
-    ``host:port`` until Ctrl-C; then every other process is told to stop."""
+def _front(urls: list, host: str, port: int, timeout_s: float, on_ready) -> None:
+    """Rank 0: the front over every replica's server (``urls``) on ``host:port`` until Ctrl-C,
+    once every one answers ``/health``."""
     import uvicorn
 
-    from hetplan.runtime.serve.api.server import running
     from hetplan.runtime.serve.replicas.front import make_front
     from hetplan.runtime.serve.replicas.launch import wait_ready
 
-    line.start(on_stop=None)
-    try:
-        with running(engine, whole_model(plan).name) as own:
-            urls = [own] + urls[1:]
-            wait_ready(urls, lambda: None, timeout_s)
-            app, _ = make_front(urls)
-            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                                   timeout_graceful_shutdown=5))
-            if on_ready is not None:
-                on_ready(True)
-            try:
-                server.run()
-            finally:
-                line.stop_all()   # before replica 0's engine stops: its stages' lines may break from here
-    finally:
-        line.stopping.set()
+    wait_ready(urls, lambda: None, timeout_s)
+    app, _ = make_front(urls)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=5))
+    if on_ready is not None:
+        on_ready(True)
+    server.run()

@@ -8,9 +8,10 @@ transformers' greedy tokens each and both replicas serve some (their own /metric
 front); Ctrl-C on rank 0 stops both processes (exit 0, no error). Four nodes, two replicas of a
 two-stage pipeline: transformers' tokens, then one replica's second stage killed makes the
 three other processes exit 2 with one line each within 15 s. A one-node replicas plan under
-torchrun is served the same way. A WORLD_SIZE other than replicas x stages is one line, exit 2;
-a rendezvous that never completes, one line within --dist-timeout; such a plan started without
-torchrun is refused in one line.
+torchrun is served the same way, and SIGINT to rank 1 (Ctrl-C where it runs, which torchrun
+passes on) stops both processes as well (exit 0). A WORLD_SIZE other than replicas x stages is
+one line, exit 2; a rendezvous that never completes, one line within --dist-timeout; such a plan
+started without torchrun is refused in one line.
 
 The plans: ``compile --serve`` of the tiny llama on a cluster of two one-GPU nodes (each GPU
 holds it); and the throughput plan of two replicas over four one-GPU nodes of 400 KiB of GPU
@@ -158,9 +159,11 @@ def test_a_killed_stage_of_one_replica_stops_every_process_of_both_in_one_line_e
     assert not any("Traceback" in e for e in errs), errs
 
 
-def test_a_one_node_replicas_plan_under_torchrun_is_served_the_same_way(two_replicas):
+def test_a_one_node_replicas_plan_under_torchrun_is_served_the_same_way_and_ctrl_c_on_rank_1_stops_both(
+        two_replicas):
     """Two replicas side by side on one node's two GPUs (``replica_step.gpus``), one torchrun
-    process each: the same tokens through rank 0's front."""
+    process each: the same tokens through rank 0's front; SIGINT to rank 1 (Ctrl-C on its node,
+    as torchrun passes it on) asks rank 0 to stop both, exit 0."""
     plan_path, directory, model = two_replicas
     items = prompts(model, 2)
     port = free_port()
@@ -173,7 +176,7 @@ def test_a_one_node_replicas_plan_under_torchrun_is_served_the_same_way(two_repl
         listening(port)
         assert ask_all(port, items) == [ref for _, ref in items]
     finally:
-        procs[0].send_signal(signal.SIGINT)
+        procs[1].send_signal(signal.SIGINT)
         codes = ended(procs, 60)
     errs = [rest(s, w) for s, w in zip(streams, seen)]
     assert codes == [0, 0] and not any(errors(e) or "Traceback" in e for e in errs), (codes, errs)
