@@ -48,8 +48,8 @@ def _int(help_text: str):
               help="Requests swapped out to DRAM keep decoding there, attention on the CPU (default: off).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="Seeds random weights.")
 @click.option("--dist-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
-              help="A plan with a pipeline: seconds to wait for the stage processes' rendezvous and for any "
-                   "one message between them.")
+              help="A plan with a pipeline or replicas: seconds to wait for the processes' rendezvous and for "
+                   "any one message between them (under torchrun, also for a process's pulse).")
 def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, cpu_blocks, max_batch, max_waiting,
             max_context, prefill_chunk, cpu_attention, seed, dist_timeout):
     """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics. A plan with

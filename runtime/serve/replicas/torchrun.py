@@ -194,7 +194,7 @@ def _front(urls: list, host: str, port: int, timeout_s: float, on_ready) -> None
     from hetplan.runtime.serve.replicas.front import make_front
     from hetplan.runtime.serve.replicas.launch import wait_ready
 
-    wait_ready(urls, lambda: None, timeout_s)
+    wait_ready(urls, lambda: None, timeout_s)   # a replica that fails meanwhile ends this process (lifeline)
     app, _ = make_front(urls)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=5))
