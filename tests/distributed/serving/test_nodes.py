@@ -11,7 +11,8 @@ three other processes exit 2 with one line each within 15 s. A one-node replicas
 torchrun is served the same way, and SIGINT to rank 1 (Ctrl-C where it runs, which torchrun
 passes on) stops both processes as well (exit 0). A WORLD_SIZE other than replicas x stages is
 one line, exit 2; a rendezvous that never completes, one line within --dist-timeout; such a plan
-started without torchrun is refused in one line.
+started without torchrun is refused in one line. The lifeline alone: a process gone silent
+(stopped, its connections open) stops the others within its timeout.
 
 The plans: ``compile --serve`` of the tiny llama on a cluster of two one-GPU nodes (each GPU
 holds it); and the throughput plan of two replicas over four one-GPU nodes of 400 KiB of GPU
@@ -226,3 +227,42 @@ def test_a_rendezvous_that_never_completes_is_one_line_within_the_timeout(two_no
     assert line.startswith("hetplan: error: replica 0 stage 0: the rendezvous at env:// with the other 1 stage "
                            "process(es) did not complete within 3 s"), line
     assert "Traceback" not in err
+
+
+LIFELINE = """
+import datetime, sys, time
+import torch.distributed as dist
+from hetplan.runtime.distributed.ranks import Ranks
+from hetplan.runtime.serve.replicas.lifeline import Lifeline
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+line = Lifeline(Ranks(2, 1), rank, 3.0)
+line.gather(None)
+line.start(on_stop=None)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_process_gone_silent_stops_the_others_within_the_timeout():
+    """Rank 1 stopped (SIGSTOP: its connections stay open, its pulses stop): rank 0 hears no
+    pulse within the lifeline's timeout (3 s here), says one line and exits 2; rank 1, let go
+    again, hears that and exits 2 too."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", LIFELINE, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["up", "up"]
+        procs[1].send_signal(signal.SIGSTOP)
+        assert procs[0].wait(timeout=30) == 2
+    finally:
+        procs[1].send_signal(signal.SIGCONT)
+        codes = ended(procs, 30)
+    errs = [p.stderr.read() for p in procs]
+    assert codes == [2, 2], (codes, errs)
+    (line,) = errors(errs[0])
+    assert line.startswith("hetplan: error: replica 0 stage 0: replica 1 stage 0 stopped (") and "Timed out" in line, line
+    (line,) = errors(errs[1])
+    assert line.startswith("hetplan: error: replica 1 stage 0: "), line
+    assert not any("Traceback" in e for e in errs), errs
