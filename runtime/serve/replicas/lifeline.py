@@ -21,8 +21,8 @@ says its line and exits 2; its lines close with it, so rank 0 learns at once. Wh
 first, a process says one line: ``fail`` holds a lock from then on. Exiting is ``os._exit``,
 stopped on purpose too (``end``): a process whose serving is over has nothing to save, and the
 threads blocked in receives along its lines, or in a message to a stage that is gone, are not
-unwound (leaving the process group under them aborts the process). Knows nothing about HTTP, engines or models: the
-processes' names (``ranks.Ranks``) and what to do on ``STOP``.
+unwound (leaving the process group under them aborts the process). Knows nothing about HTTP,
+engines or models: the processes' names (``ranks.Ranks``) and what to do on ``STOP``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ class Lifeline:
         self._on_stop = None
 
     def gather(self, obj) -> list:
-        """Every process's ``obj`` (by rank), on every process: once, at startup."""
+        """Every process's ``obj`` (by rank), on every process: once, at startup, before ``start``
+        (a collective on the group must not overlap the pulses: gloo tags its first collectives
+        0, 1, ..., the tag the pulses go with)."""
         out = [None] * self.ranks.world
         try:
             dist.all_gather_object(out, obj, group=self.group)
