@@ -66,8 +66,7 @@ class Lifeline:
 
     def gather(self, obj) -> list:
         """Every process's ``obj`` (by rank), on every process: once, at startup, before ``start``
-        (a collective on the group must not overlap the pulses: gloo tags its first collectives
-        0, 1, ..., the tag the pulses go with)."""
+        (so that no collective on the group runs beside the pulses' point-to-point messages)."""
         out = [None] * self.ranks.world
         try:
             dist.all_gather_object(out, obj, group=self.group)
