@@ -4,7 +4,8 @@ The engine's sizes come from the plan (``hetplan.runtime.serve.settings``) unles
 them. A plan with a pipeline is served by one process per stage
 (``hetplan.runtime.serve.pipeline``); a plan with replicas by one process per replica (each
 with its stages' processes) behind a front that deals the requests among them
-(``hetplan.runtime.serve.replicas``). Needs the runtime (torch) and the ``serve`` extra
+(``hetplan.runtime.serve.replicas``; under torchrun, one process per stage of every replica over
+every node, rank 0 running the front). Needs the runtime (torch) and the ``serve`` extra
 (starlette, uvicorn, httpx).
 """
 
@@ -47,8 +48,8 @@ def _int(help_text: str):
               help="Requests swapped out to DRAM keep decoding there, attention on the CPU (default: off).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="Seeds random weights.")
 @click.option("--dist-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
-              help="A plan with a pipeline: seconds to wait for the stage processes' rendezvous and for any "
-                   "one message between them.")
+              help="A plan with a pipeline or replicas: seconds to wait for the processes' rendezvous and for "
+                   "any one message between them (under torchrun, also for a process's pulse).")
 def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, cpu_blocks, max_batch, max_waiting,
             max_context, prefill_chunk, cpu_attention, seed, dist_timeout):
     """Serve PLAN's model: /v1/completions, /v1/chat/completions, /health, /metrics. A plan with
@@ -100,8 +101,8 @@ def command(plan_path, weights, host, port, emulate, block_tokens, gpu_blocks, c
 
 def _serve_replicas(plan, plan_path, weights, settings, host, port, emulate, seed, dist_timeout) -> None:
     from hetplan.pipeline.record import stage_plan
+    from hetplan.runtime.distributed.launch import under_torchrun
     from hetplan.runtime.serve.pipeline.groups import pool_blocks
-    from hetplan.runtime.serve.replicas.launch import serve_replicas
     from hetplan.runtime.session import choose_mode
 
     pp = plan.pipeline
@@ -111,16 +112,26 @@ def _serve_replicas(plan, plan_path, weights, settings, host, port, emulate, see
     running_in = {"cuda": "GPU", "emulated": "emulated GPU", "cpu": "DRAM"}[choose_mode(stage_plan(plan, 0), emulate)]
     each = (f"a pipeline of {stages} stages, one process each" if stages > 1 else
             f"one {running_in} in one process")
-    gpus = (pp.get("replica_step") or {}).get("gpus")
+    apart = pp.get("replica_step") or {}
+    own = (f" on {apart['nodes']} node(s) of its own" if "nodes" in apart else
+           f" on {apart['gpus']} GPU(s) of its own" if apart.get("gpus") else "")
 
-    def ready():
+    def ready(front: bool = True):
         quiet()
+        if not front:   # a torchrun process other than rank 0's: rank 0 says it
+            return
         click.echo(f"hetplan serve: {replicas} replicas of {whole_model(plan).name} on http://{host}:{port}, each "
-                   f"{each}" + (f" on {gpus} GPU(s) of its own" if gpus else "") + "; requests go to the replica "
-                   f"with the fewest in flight; each replica: KV blocks of {settings.block_tokens} tokens: "
-                   f"{settings.gpu_blocks} for running requests ({running_in}), {settings.cpu_blocks} for swapped "
-                   f"ones (DRAM); batch <= {settings.max_batch}, queue <= {settings.max_waiting}", err=True)
+                   f"{each}{own}; requests go to the replica with the fewest in flight; each replica: KV blocks "
+                   f"of {settings.block_tokens} tokens: {settings.gpu_blocks} for running requests ({running_in}), "
+                   f"{settings.cpu_blocks} for swapped ones (DRAM); batch <= {settings.max_batch}, queue <= "
+                   f"{settings.max_waiting}", err=True)
 
     with step(f"loading the model in {replicas} replicas"):   # ready() quiets the heartbeat
-        serve_replicas(plan, plan_path, weights, settings, host, port, emulate=emulate, seed=seed,
-                       timeout_s=dist_timeout, on_ready=ready)
+        if under_torchrun():
+            from hetplan.runtime.serve.replicas.torchrun import serve_under_torchrun
+            serve_under_torchrun(plan, weights, settings, host, port, emulate=emulate, seed=seed,
+                                 timeout_s=dist_timeout, on_ready=ready)
+        else:
+            from hetplan.runtime.serve.replicas.launch import serve_replicas
+            serve_replicas(plan, plan_path, weights, settings, host, port, emulate=emulate, seed=seed,
+                           timeout_s=dist_timeout, on_ready=ready)

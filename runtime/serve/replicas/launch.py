@@ -18,8 +18,9 @@ startup or while serving: its process ends) stops the whole: every replica is st
 requests in flight end with an error, and ``serve_replicas`` raises one line saying which
 replica and why (what the replica said, or how its process ended).
 
-Replicas on nodes of their own (``replica_step.nodes``, a cluster), and replicas under
-torchrun, are refused in one line saying what to run instead. Knows nothing about HTTP beyond
+Under torchrun every replica plan is served by ``torchrun`` (one process per stage of every
+replica, over every node); replicas on nodes of their own (``replica_step.nodes``, a cluster)
+started without it are refused in one line saying what to run. Knows nothing about HTTP beyond
 ``/health``.
 """
 
@@ -64,17 +65,16 @@ def replica_gpus(plan, r: int) -> list:
 
 
 def refuse_unserved(plan, plan_path: str) -> None:
-    """Replicas that ``hetplan serve`` does not start, refused in one line with what to run."""
-    r = replicas_of(plan)
+    """Replicas on nodes of their own started without torchrun, refused in one line with what to
+    run (under torchrun, ``torchrun.serve_under_torchrun`` serves every replica plan)."""
     step = plan.pipeline.get("replica_step") or {}
-    if "nodes" in step:
-        raise HetplanError(f"{plan_path}: the plan runs {r} replicas on nodes of their own ({step['nodes']} each), "
-                           f"and hetplan serve starts replicas on one node; compile a serving plan for one "
-                           f"replica's nodes (a cluster.yaml of {step['nodes']} node(s)), serve it on each group of "
-                           f"nodes under torchrun, and balance the requests among them")
-    if under_torchrun():
-        raise HetplanError(f"{plan_path}: the plan runs {r} replicas, which hetplan serve spawns itself, on one "
-                           f"node; start it without torchrun (`hetplan serve {plan_path} ...`)")
+    if "nodes" in step and not under_torchrun():
+        ranks = Ranks.of(plan.pipeline)
+        raise HetplanError(f"{plan_path}: the plan runs {ranks.replicas} replicas on nodes of their own "
+                           f"({step['nodes']} node(s) each), which hetplan serve does not start from one node; start "
+                           f"it under torchrun on every node, one command per node with the same rendezvous "
+                           f"(`torchrun --nnodes N --node-rank I --nproc-per-node K --rdzv-endpoint HOST:PORT -m "
+                           f"hetplan serve {plan_path} ...`, N x K = {ranks.world} processes)")
 
 
 def serve_replicas(plan, plan_path: str, weights: str, settings, host: str, port: int, emulate: bool | None = None,
@@ -107,7 +107,7 @@ def serve_replicas(plan, plan_path: str, weights: str, settings, host: str, port
     watch = _Watch(procs, said)
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        _wait_ready(urls, watch, timeout_s)
+        wait_ready(urls, watch.failed, timeout_s)
         app, _ = make_front(urls)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                                timeout_graceful_shutdown=5))
@@ -183,13 +183,13 @@ class _Watch:
                     p.join()
 
 
-def _wait_ready(urls: list, watch: _Watch, timeout_s: float) -> None:
-    """Until every replica answers ``/health`` with 200; a replica that ends first, or the
-    deadline, is a HetplanError."""
+def wait_ready(urls: list, failed, timeout_s: float) -> None:
+    """Until every replica answers ``/health`` with 200; a replica that ends first (``failed()``:
+    its line, or None while every one runs), or the deadline, is a HetplanError."""
     deadline = time.monotonic() + timeout_s
     waiting = set(range(len(urls)))
     while waiting:
-        line = watch.failed()
+        line = failed()
         if line is not None:
             raise HetplanError(line)
         for r in sorted(waiting):

@@ -3,8 +3,8 @@ front spawns one process per replica and deals the requests among them. Six conc
 of different lengths get transformers' greedy tokens each, and both replicas got some; a
 streamed request comes through the front; /health and /metrics speak for every replica; Ctrl-C
 stops every process; a replica killed ends the front with one line, exit 2, within 15 s, no
-process left; two replicas of a two-stage pipeline (five processes) get the same tokens; under
-torchrun, replicas are refused in one line.
+process left; two replicas of a two-stage pipeline (five processes) get the same tokens.
+(Replicas under torchrun, over several nodes: ``test_nodes``.)
 
 The plans: ``compile --serve`` of the tiny llama on a node of two alike GPUs, each holding it (two
 replicas of one GPU); and the throughput plan of two replicas of a two-stage pipeline over four
@@ -13,7 +13,6 @@ GPUs of 400 KiB (``replicated_plan``)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -196,18 +195,6 @@ def test_two_replicas_of_a_two_stage_pipeline_get_transformers_greedy_tokens(lla
     finally:
         err = stopped(proc, lines, seen, below)
     assert "Traceback" not in err and not errors(err), err
-
-
-def test_replicas_under_torchrun_are_refused_in_one_line(two_replicas):
-    plan_path, directory, _ = two_replicas
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    out = subprocess.run([sys.executable, "-m", "hetplan", "serve", str(plan_path), "--weights", directory,
-                          "--port", "0", "--emulate"], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    (line,) = errors(out.stderr)
-    assert line.startswith(f"hetplan: error: {plan_path}: the plan runs 2 replicas, which hetplan serve spawns "
-                           f"itself, on one node; start it without torchrun")
-    assert "Traceback" not in out.stderr
 
 
 def test_the_front_deals_to_the_replica_with_the_fewest_in_flight_the_first_on_a_tie():
