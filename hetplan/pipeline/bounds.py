@@ -30,9 +30,14 @@ the stage's fastest device (0 for an MoE stage, whose least split time the chain
 takes, and for a stage the CPU runs fastest); in a prefill of several chunks the CPU is one
 resource, ``t >= sum c_i`` with ``c_i`` its CPU time (an MoE stage's, at least its held bytes
 over the DRAM bandwidth). Relaxed to fractions of stages, the least ``t`` is a fractional
-knapsack: the CPU takes stages by most held bytes per second first (``offload_s``). The CPU's
-rates are rounded up to a geometric grid (``RATE_GRID``), which only lowers the bound, so that
-a range sums a few classes of prefix sums.
+knapsack: the CPU takes stages by most held bytes per second first (``offload_s``; the rates
+rounded up to a geometric grid, ``RATE_GRID``, which only lowers the bound, so that a range sums a
+few classes of prefix sums). And each of
+those ``O`` bytes is read out of DRAM, by the CPU or by the copy, so ``t >= O / C_dram``. Cruder but
+sure for MoE stages (which the knapsack lets the CPU read free): ``t >= O / (bw_h2d + r)``, ``r``
+the highest bytes-per-CPU-second of any stage in the range (a dense stage's ``bytes / cpu_s``; an
+MoE stage's ``min(bw_cpu, peak_cpu * max(bytes / flops))`` over its experts, shared experts and
+router, any of which may go to the CPU).
 A step takes at least its chain and at least its link's busy time, so at least any weighted
 mean of the two, ``t >= (1 - w) chain + w link`` (``w = LINK_WEIGHT``); charged to each block's
 cheapest way of running, a streamed MoE block then costs its GPU time plus ``w / (1 - w)``
@@ -89,12 +94,13 @@ class StageBound:
         self.cap = problem.gpu_budget_bytes
         self.resident = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
         self._seconds = {}
-        self.prefix, self.offload = {}, {}
+        self.prefix, self.offload, self.rate = {}, {}, {}
         cpu_bw = hw.cpu.mem_bytes_per_s * hw.efficiency["cpu_mem"]
         for phase in PHASES:
             nbytes, flops, chain, moe, priced, held = ([0.0] * (L + 2) for _ in range(6))
             chained = phase == "decode" or wl.n_chunks == 1
             by_rate: dict = {}   # rate class -> held bytes per position
+            rate = [0.0] * (L + 2)
             for sc in problem.stages[phase]:
                 st, at = sc.stage, position[sc.stage.block]
                 h = st.work.bytes - transient_bytes(st.work, spec)
@@ -104,10 +110,12 @@ class StageBound:
                 fastest = self._chain_s(sc, problem, phase)
                 (moe if st.kind == "moe" else chain)[at] += fastest
                 priced[at] += self._chain_s(sc, problem, phase, streamed_s=problem.load_s.get(st.block))
+                rate[at] = max(rate[at], self._cpu_rate(sc, problem, phase))
                 if h > 0:
                     cost = (0.0 if st.kind == "moe" else sc.cpu_s - fastest) if chained else \
                         (h / cpu_bw if st.kind == "moe" else sc.cpu_s)
                     by_rate.setdefault(_rate_class(h, cost), [0.0] * (L + 2))[at] += h
+            self.rate[phase] = _range_max(rate)
             if not chained:
                 chain, moe, priced = [0.0] * (L + 2), [0.0] * (L + 2), [0.0] * (L + 2)
             self.prefix[phase] = tuple(list(accumulate(x, initial=0.0))
@@ -141,6 +149,25 @@ class StageBound:
                                                       work.bytes - transient_bytes(work, self.spec)))
         return fastest
 
+    def _cpu_rate(self, sc, problem, phase: str) -> float:
+        """The most bytes a second the CPU reads running (any part of) stage ``sc``."""
+        st = sc.stage
+        layer = problem.experts.get(phase, {}).get(st.block) if st.kind == "moe" else None
+        if layer is None:
+            return st.work.bytes / sc.cpu_s if sc.cpu_s > 0 else math.inf
+        parts = [(w + 2 * r, f) for w, r, f in zip(layer.wbytes, layer.rows, layer.flops)]
+        parts += [(layer.shared_bytes, layer.shared_flops), (layer.route_bytes, layer.route_flops)]
+        ratio = max((b / f if f > 0 else math.inf) for b, f in parts if b > 0)
+        return min(layer.cpu.bytes_per_s, layer.cpu.flops_per_s * ratio)
+
+    def overflow_s(self, phase: str, first: int, end: int, nbytes: float) -> float:
+        """The held bytes beyond HBM's room over the link and the CPU together, the CPU at the range's
+        highest rate ``r`` (module docstring)."""
+        hw = self.hw
+        if hw.gpu is None or nbytes <= self.resident:
+            return 0.0
+        return (nbytes - self.resident) / (hw.h2d_bytes_per_s * hw.efficiency["link"] + self.rate[phase][first][end])
+
     def offload_s(self, phase: str, first: int, end: int, base: float) -> float:
         """The least seconds a step of positions ``[first, end)`` takes with the held bytes beyond
         HBM's room read by the CPU or copied over the link (module docstring); ``base``: the
@@ -151,7 +178,8 @@ class StageBound:
         if hw.gpu is None or over <= 0:
             return 0.0
         classes = [(rate, sums[end] - sums[first]) for rate, sums in self.offload[phase]]
-        return offload_s(over, hw.h2d_bytes_per_s * hw.efficiency["link"], base, classes)
+        dram = hw.cpu.mem_bytes_per_s * hw.efficiency["cpu_mem"]   # every such byte is read from DRAM
+        return max(offload_s(over, hw.h2d_bytes_per_s * hw.efficiency["link"], base, classes), over / dram)
 
     def phase_s(self, phase: str, a: int, b: int) -> float:
         """Positions ``a+1 .. b`` are layers ``a .. b-1``; position 0 the embedding, L+1 the head."""
@@ -163,6 +191,7 @@ class StageBound:
                    (1 - LINK_WEIGHT) * (priced[end] - priced[first]),
                    work_lower_bound_s(self.hw, self.spec, nbytes[end] - nbytes[first], flops[end] - flops[first],
                                       self.cap, weights),
+                   self.overflow_s(phase, first, end, weights),
                    self.offload_s(phase, first, end, chain[end] - chain[first] + moe[end] - moe[first]))
 
     def cold_experts_s(self, first: int, end: int) -> float:
@@ -221,3 +250,15 @@ def offload_s(over: float, link: float, base: float, classes: list) -> float:
         room -= nbytes
         spent += nbytes / rate
     return max(base + spent, room / link)
+
+
+def _range_max(values: list) -> list:
+    """``out[i][j]`` = max of ``values[i:j]`` (0 when empty), every ``i <= j``."""
+    out = []
+    for i in range(len(values) + 1):
+        row, m = [0.0] * (len(values) + 1), 0.0
+        for j in range(i, len(values)):
+            m = max(m, values[j])
+            row[j + 1] = m
+        out.append(row)
+    return out
