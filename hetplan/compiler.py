@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -250,12 +251,27 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
 def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = None, moe_stages: bool = False):
     """The single-GPU planner one pipeline stage is priced with (``hetplan.pipeline``): a
     problem -> its Plan under ``strategy``, or None when nothing fits (``moe_stages``: see
-    ``decide``'s ``moe_chain``)."""
+    ``decide``'s ``moe_chain``); its ``lower_bound(problem)`` bounds that plan's objective
+    cheaply (the MILP's LP relaxation), or is None."""
     def solve(problem: Problem) -> Plan | None:
         if not fits_at_all(problem):
             return None
         plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req, moe_chain=moe_stages))
         return plan if plan is not None and fits(plan) else None
+
+    def lower_bound(problem: Problem) -> float | None:
+        """At most the objective (``objective_s``) of the plan ``solve`` returns, far cheaper (the
+        MILP's LP relaxation); None where there is none to take."""
+        from hetplan.solvers import ilp
+
+        if not fits_at_all(problem):
+            return math.inf
+        if strategy != "ilp":
+            return None
+        return ilp.lp_bound_s(problem, ilp.IlpOptions(stream_cold=req.stream_cold_experts,
+                                                      count_layers=not (moe_stages and bool(problem.experts))))
+
+    solve.lower_bound = lower_bound
     return solve
 
 

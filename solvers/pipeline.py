@@ -34,6 +34,10 @@ optimum. Otherwise its unpriced stages are priced and the DP runs again. Exact f
 
 Ties (costs within ``TIE``) go to fewer stages, then to the smaller slowest stage or link.
 
+A ``refine`` bound (tighter than ``lower``, cheaper than a price) is taken for a stage of the
+optimistic optimum before it is priced: the DP runs again, and only a stage still in the optimum
+at its refined bound is priced.
+
 With a ``ceiling``, the search stops as soon as the optimistic optimum exceeds it: every split
 costs more, and the caller (weighing several searches) has one at least that good already.
 
@@ -66,9 +70,11 @@ class Split:
 
 def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, objective: str = "sum",
                lower: Callable | None = None, key: Callable | None = None,
-               monotone: bool = True, ceiling: float = math.inf) -> Split | None:
+               monotone: bool = True, ceiling: float = math.inf, refine: Callable | None = None) -> Split | None:
     """The cheapest split of ``n_layers`` layers over GPUs ``0..n_gpus-1``; None when none fits;
     an ``outclassed`` Split when every split costs more than ``ceiling`` (module docstring).
+    ``refine(k, a, b)``: a tighter lower bound than ``lower``, dearer than it and cheaper than
+    ``stage`` (or None: none); a stage of the optimistic optimum is refined before it is priced.
     ``lower(k, a, b)``: a cheap lower bound on ``stage(k, a, b)`` (default 0); ``key(k, a, b)``:
     stages with equal keys cost the same (equal GPUs, equal layers), so one is priced for all;
     ``monotone``: prices never decrease as a stage takes more layers (module docstring)."""
@@ -80,8 +86,9 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     bound = {s: lower(*s) if lower else 0.0 for s in every}
     links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
     price: dict = {}  # key -> seconds
+    refined: dict = {}  # key -> the tighter lower bound (``refine``)
     while True:
-        optimistic = {s: price.get(keys[s], bound[s]) for s in every}
+        optimistic = {s: price.get(keys[s], max(bound[s], refined.get(keys[s], bound[s]))) for s in every}
         if monotone:
             _raise_to_contained(optimistic, {s for s in every if keys[s] in price}, L, K)
         cost, stages = _cheapest(optimistic, links, L, K, objective)
@@ -92,6 +99,13 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         unpriced = [s for s in stages if keys[s] not in price]
         if not unpriced:
             return Split(stages, cost, len(price))
+        rough = [s for s in unpriced if refine is not None and keys[s] not in refined]
+        if rough:
+            for s in rough:
+                if keys[s] not in refined:
+                    tighter = refine(*s)
+                    refined[keys[s]] = -math.inf if tighter is None else tighter
+            continue
         for s in unpriced:
             if keys[s] not in price:
                 price[keys[s]] = stage(*s)

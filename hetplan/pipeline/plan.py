@@ -203,12 +203,17 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         return plans[key(k, a, b), n_kv]
 
     seconds, lower, link = _pricing(spec, topo, wl, objective, machines, kind)
+    cheap = getattr(solve_stage, "lower_bound", None)
+
+    def refine(k, a, b):   # the stage's objective is the DP's seconds only under ``sum``
+        return cheap(device_problem(spec, machines[k], wl, a, b, copies)) if cheap and objective == "sum" else None
+
 
     def stage(k, a, b, n_kv=None):
         p = stage_plan(k, a, b, n_kv)
         return math.inf if p is None else seconds(p.predicted["ttft_s"], p.predicted["tpot_s"])
 
-    split = best_split(L, len(devices), stage, link, objective, lower, key, ceiling=ceiling)
+    split = best_split(L, len(devices), stage, link, objective, lower, key, ceiling=ceiling, refine=refine)
     if split is not None and split.outclassed:
         raise Outclassed(split.cost_s)
     if split is None:

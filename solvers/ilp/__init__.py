@@ -10,6 +10,6 @@ formulas and the HiGHS run in ``objective``. Knows the problem's numbers and the
 task rules; knows nothing about plan files, the CLI or torch.
 """
 
-from hetplan.solvers.ilp.per_block import IlpOptions, IlpResult, memory_unit, solve
+from hetplan.solvers.ilp.per_block import IlpOptions, IlpResult, lp_bound_s, memory_unit, solve
 
-__all__ = ["IlpOptions", "IlpResult", "memory_unit", "solve"]
+__all__ = ["IlpOptions", "IlpResult", "lp_bound_s", "memory_unit", "solve"]

@@ -130,6 +130,9 @@ def test_the_cheap_stage_bound_never_exceeds_the_solved_stage(moe, wl):
                 prefill, decode = bound(a, b)
                 assert prefill <= plan.predicted["ttft_s"] * (1 + 1e-9), (gpu_mib, a, b)
                 assert decode <= plan.predicted["tpot_s"] * (1 + 1e-9), (gpu_mib, a, b)
+                lp = SOLVE.lower_bound(stage_problem(spec, hw, wl, 0, a, b))   # the MILP's LP relaxation
+                assert lp is None or lp <= plan.solver["objective_s"] * (1 + 1e-9), (gpu_mib, a, b)
+                assert lp is not None or moe, "a dense stage's count MILP has an LP bound"
 
 
 def test_the_offload_bound_is_the_least_time_link_and_cpu_together_move_the_bytes_beyond_hbm():
