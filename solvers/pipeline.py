@@ -36,7 +36,8 @@ Ties (costs within ``TIE``) go to fewer stages, then to the smaller slowest stag
 
 A ``refine`` bound (tighter than ``lower``, cheaper than a price) is taken for a stage of the
 optimistic optimum before it is priced: the DP runs again, and only a stage still in the optimum
-at its refined bound is priced.
+at its refined bound is priced. Where refining rarely tightens a bound (more than
+``REFINE_SLACK`` wasted refinements beyond the useful ones), the search stops refining.
 
 With a ``ceiling``, the search stops as soon as the optimistic optimum exceeds it: every split
 costs more, and the caller (weighing several searches) has one at least that good already.
@@ -87,6 +88,7 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
     price: dict = {}  # key -> seconds
     refined: dict = {}  # key -> the tighter lower bound (``refine``)
+    useful = {True: 0, False: 0}  # refinements that raised a bound by more than REFINED, and not
     while True:
         optimistic = {s: price.get(keys[s], max(bound[s], refined.get(keys[s], bound[s]))) for s in every}
         if monotone:
@@ -105,6 +107,10 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
                 if keys[s] not in refined:
                     tighter = refine(*s)
                     refined[keys[s]] = -math.inf if tighter is None else tighter
+                    if tighter != math.inf:   # (what does not fit costs no solve either)
+                        useful[tighter is not None and tighter > bound[s] * REFINED] += 1
+            if useful[False] > useful[True] + REFINE_SLACK:   # it rarely tightens here: price instead
+                refine = None
             continue
         for s in unpriced:
             if keys[s] not in price:
@@ -176,6 +182,12 @@ def _cheapest(cost: dict, links: dict, L: int, K: int, objective: str) -> tuple:
             top = best[L][k]
     return (top[0], top[3]) if top[0] < math.inf else (math.inf, ())
 
+
+REFINED = 1.05
+"""A refinement that raises a stage's bound by less than this factor counts as wasted."""
+REFINE_SLACK = 3
+"""Wasted refinements beyond the useful ones after which a search stops refining (it prices
+instead: the same split, found with fewer cheap bounds where they do not tighten)."""
 
 TIE = 1e-12
 """Relative difference below which two costs are equal (sums in another order round apart)."""

@@ -90,6 +90,24 @@ def test_a_ceiling_below_the_brute_force_optimum_stops_the_search_and_one_above_
     assert stopped.priced <= free.priced
 
 
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(20))
+def test_refined_bounds_find_the_brute_force_optimum_pricing_no_more_stages(seed, objective):
+    rng = random.Random(seed)
+    L, K = rng.randint(2, 7), rng.randint(1, 4)
+    stage, link = monotone_costs(rng, L, K)
+    want = brute_force(L, K, stage, link, objective)
+    lower = lambda k, a, b: 0.5 * stage(k, a, b)   # noqa: E731
+    free = best_split(L, K, stage, link, objective, lower)
+    for refine in (lambda k, a, b: 0.99 * stage(k, a, b), lambda k, a, b: None, lambda k, a, b: 0.1):
+        got = best_split(L, K, stage, link, objective, lower, refine=refine)
+        if want == math.inf:
+            assert got is None
+            continue
+        assert got.cost_s == pytest.approx(want, rel=1e-12)
+        assert got.priced <= free.priced
+
+
 def test_nothing_fits_gives_no_split():
     assert best_split(3, 2, lambda k, a, b: math.inf, lambda j, k: 0.0) is None
 
