@@ -117,14 +117,22 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
                 price[keys[s]] = stage(*s)
 
 
-def split_lower_bound(n_layers: int, n_gpus: int, link: Callable, objective: str, lower: Callable) -> float:
+def split_lower_bound(n_layers: int, n_gpus: int, link: Callable, objective: str, lower: Callable,
+                      key: Callable | None = None) -> float:
     """A lower bound on the cost of every split of ``n_layers`` layers over GPUs
     ``0..n_gpus-1`` (``best_split``'s, for any ``stage`` that ``lower`` bounds), with no stage
-    priced: the DP's optimum over ``lower``'s values; ``math.inf`` when every bound is."""
+    priced: the DP's optimum over ``lower``'s values; ``math.inf`` when every bound is.
+    ``key``: as ``best_split``'s; ``lower`` is asked once per key."""
     if objective not in ("sum", "max"):
         raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
     L, K = n_layers, n_gpus
-    bound = {(k, a, b): lower(k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)}
+    by_key: dict = {}
+    bound = {}
+    for s in ((k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)):
+        x = key(*s) if key else s
+        if x not in by_key:
+            by_key[x] = lower(*s)
+        bound[s] = by_key[x]
     links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
     return _cheapest(bound, links, L, K, objective)[0]
 

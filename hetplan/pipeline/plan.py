@@ -193,8 +193,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     plans: dict = {}
     copies = micro_batch_count(objective, len(devices))
 
-    def key(k, a, b):
-        return kind[k], b - a, a == 0, b == L, min(b - a, max(0, spec.first_dense_layers - a))
+    key = _stage_key(spec, kind)
 
     def stage_plan(k, a, b, n_kv=None):
         n_kv = copies if n_kv is None else n_kv
@@ -237,8 +236,19 @@ def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "su
 
     topo = Topology.of(hw)
     machines = [topo.device_hw(d) for d in topo.devices]
-    _, lower, link = _pricing(spec, topo, wl, objective, machines, [machines.index(m) for m in machines])
-    return split_lower_bound(spec.n_layers, len(machines), link, objective, lower)
+    kind = [machines.index(m) for m in machines]
+    _, lower, link = _pricing(spec, topo, wl, objective, machines, kind)
+    return split_lower_bound(spec.n_layers, len(machines), link, objective, lower, _stage_key(spec, kind))
+
+
+def _stage_key(spec: ModelSpec, kind: list):
+    """``key(k, a, b)`` of the stage DP: stages with equal keys cost the same (the same kind of
+    device, as many layers, holding the embedding or the head alike, as many dense layers)."""
+    L = spec.n_layers
+
+    def key(k, a, b):
+        return kind[k], b - a, a == 0, b == L, min(b - a, max(0, spec.first_dense_layers - a))
+    return key
 
 
 def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, machines: list, kind: list) -> tuple:
