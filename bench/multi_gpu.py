@@ -70,7 +70,8 @@ def replicas_case(model: str, hw: str, batch: int) -> None:
 
 
 TIMED = [("llama-3.1-70b", "8xh100", []), ("deepseek-v3", "8xh100", ["--weight-dtype", "q4_k_m"]),
-         ("qwen2.5-72b", "4xdesktop-10gbe", []), ("llama-3.1-70b", "4xdesktop-10gbe", ["--weight-dtype", "q4_k_m"])]
+         ("qwen2.5-72b", "4xdesktop-10gbe", []), ("llama-3.1-70b", "4xdesktop-10gbe", []),
+         ("llama-3.1-70b", "4xdesktop-10gbe", ["--weight-dtype", "q4_k_m"])]
 OBJECTIVES = [("latency", []), ("throughput, batch 8", ["--objective", "throughput", "--batch", "8"]),
               ("serving", ["--serve"])]
 TARGET_S = 10.0

@@ -259,9 +259,10 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
         plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req, moe_chain=moe_stages))
         return plan if plan is not None and fits(plan) else None
 
-    def lower_bound(problem: Problem) -> float | None:
+    def lower_bound(problem: Problem, floor: float = -math.inf) -> float | None:
         """At most the objective (``objective_s``) of the plan ``solve`` returns, far cheaper (the
-        MILP's LP relaxation); None where there is none to take."""
+        MILP's LP relaxation; given up at ``floor``, a bound known already: ``lp_bound_s``); None
+        where there is none to take."""
         from hetplan.solvers import ilp
 
         if not fits_at_all(problem):
@@ -269,7 +270,7 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
         if strategy != "ilp":
             return None
         return ilp.lp_bound_s(problem, ilp.IlpOptions(stream_cold=req.stream_cold_experts,
-                                                      count_layers=not (moe_stages and bool(problem.experts))))
+                                                      count_layers=not (moe_stages and bool(problem.experts))), floor)
 
     solve.lower_bound = lower_bound
     return solve

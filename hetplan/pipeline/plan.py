@@ -205,7 +205,9 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     cheap = getattr(solve_stage, "lower_bound", None)
 
     def refine(k, a, b):   # the stage's objective is the DP's seconds only under ``sum``
-        return cheap(device_problem(spec, machines[k], wl, a, b, copies)) if cheap and objective == "sum" else None
+        if not cheap or objective != "sum":
+            return None
+        return cheap(device_problem(spec, machines[k], wl, a, b, copies), lower(k, a, b))
 
 
     def stage(k, a, b, n_kv=None):

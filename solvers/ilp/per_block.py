@@ -396,18 +396,23 @@ def _say_configuration(i: int, configs: list, results: list) -> None:
     progress.activity(f"{what}{last}")
 
 
-def lp_bound_s(problem: Problem, opts: IlpOptions | None = None) -> float | None:
+def lp_bound_s(problem: Problem, opts: IlpOptions | None = None, floor: float = -float("inf")) -> float | None:
     """A cheap lower bound on ``solve``'s bound, so on the replay of any plan of ``problem``:
     the least LP relaxation of the count MILPs over every configuration (each a relaxation of its
     configuration's MILP); None for a problem the count MILP does not take (``layered``) or one
-    without a GPU."""
+    without a GPU. ``floor``: a bound known already; the configurations stop as soon as one's LP
+    is at or below it (the least cannot beat it then), and that one is returned."""
     opts = opts or IlpOptions()
     shape = layered(problem) if problem.has_gpu and opts.count_layers and not opts.stream_cold else None
     if shape is None:
         return None
     unit = memory_unit(problem)
-    return min(LayerModel(problem, shape, depth, slot, unit).lp_bound_s(opts)
-               for depth, slot in configurations(problem, opts.depths, True))
+    least = float("inf")
+    for depth, slot in configurations(problem, opts.depths, True):
+        least = min(least, LayerModel(problem, shape, depth, slot, unit).lp_bound_s(opts))
+        if least <= floor:
+            break
+    return least
 
 
 def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
