@@ -40,14 +40,20 @@ def monotone_costs(rng, L, K):
     return stage, lambda j, k: links[j, k]
 
 
+def random_case(seed: int, least_layers: int = 1) -> tuple:
+    """(L, K, stage, link, the brute-force optimum) of a random monotone case."""
+    rng = random.Random(seed)
+    L, K = rng.randint(least_layers, 7), rng.randint(1, 4)
+    stage, link = monotone_costs(rng, L, K)
+    return L, K, stage, link, brute_force(L, K, stage, link, "sum"), brute_force(L, K, stage, link, "max")
+
+
 @pytest.mark.parametrize("objective", ["sum", "max"])
 @pytest.mark.parametrize("seed", range(40))
 def test_the_dp_finds_the_cheapest_split_that_brute_force_finds(seed, objective):
-    rng = random.Random(seed)
-    L, K = rng.randint(1, 7), rng.randint(1, 4)
-    stage, link = monotone_costs(rng, L, K)
+    L, K, stage, link, *wants = random_case(seed)
+    want = wants[objective == "max"]
     split = best_split(L, K, stage, link, objective)
-    want = brute_force(L, K, stage, link, objective)
     if want == math.inf:
         assert split is None
         return
@@ -76,10 +82,8 @@ def test_a_small_fast_gpu_takes_what_it_holds_and_the_slow_one_the_rest():
 @pytest.mark.parametrize("objective", ["sum", "max"])
 @pytest.mark.parametrize("seed", range(20))
 def test_a_ceiling_below_the_brute_force_optimum_stops_the_search_and_one_above_changes_nothing(seed, objective):
-    rng = random.Random(seed)
-    L, K = rng.randint(2, 7), rng.randint(1, 4)
-    stage, link = monotone_costs(rng, L, K)
-    want = brute_force(L, K, stage, link, objective)
+    L, K, stage, link, *wants = random_case(seed, 2)
+    want = wants[objective == "max"]
     if want == math.inf:
         return
     lower = lambda k, a, b: 0.5 * stage(k, a, b)   # noqa: E731  a valid, loose bound: stages get priced
@@ -93,10 +97,8 @@ def test_a_ceiling_below_the_brute_force_optimum_stops_the_search_and_one_above_
 @pytest.mark.parametrize("objective", ["sum", "max"])
 @pytest.mark.parametrize("seed", range(20))
 def test_refined_bounds_find_the_brute_force_optimum_pricing_no_more_stages(seed, objective):
-    rng = random.Random(seed)
-    L, K = rng.randint(2, 7), rng.randint(1, 4)
-    stage, link = monotone_costs(rng, L, K)
-    want = brute_force(L, K, stage, link, objective)
+    L, K, stage, link, *wants = random_case(seed, 2)
+    want = wants[objective == "max"]
     lower = lambda k, a, b: 0.5 * stage(k, a, b)   # noqa: E731
     free = best_split(L, K, stage, link, objective, lower)
     for refine in (lambda k, a, b: 0.99 * stage(k, a, b), lambda k, a, b: None, lambda k, a, b: 0.1):

@@ -20,6 +20,7 @@ and of DRAM each (``pipeline.compile.replicated``: each replica a pipeline over 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -95,30 +96,38 @@ def ended(procs: list, seconds: float) -> list:
     return [p.returncode for p in procs]
 
 
-def test_two_replicas_on_nodes_of_their_own_answer_through_rank_0_and_ctrl_c_on_rank_0_stops_both(two_nodes):
-    plan_path, directory, model = two_nodes
-    items = prompts(model)
-    port = free_port()
+@contextlib.contextmanager
+def two_serving(plan_path, directory, items, port: int, says: str, stop_rank: int):
+    """Two torchrun processes serving ``plan_path``: inside, rank 0 said its startup line
+    (``says`` in it; the line is what is yielded) and ``items`` got transformers' tokens through
+    its front; on leaving, SIGINT to ``stop_rank``, and both end with exit 0 and no error."""
     procs = start(plan_path, directory, 2, port)
     streams = [lines_of(p) for p in procs]
     seen = [[], []]
     try:
         line = started(streams[0], seen[0])
-        assert line.startswith("hetplan serve: 2 replicas of ") and f"http://127.0.0.1:{port}" in line
-        assert "each one emulated GPU in one process on 1 node(s) of its own" in line, line
+        assert says in line, line
         listening(port)
         assert ask_all(port, items) == [ref for _, ref in items]
+        yield line
+    finally:
+        procs[stop_rank].send_signal(signal.SIGINT)
+        codes = ended(procs, 60)
+    errs = [rest(s, w) for s, w in zip(streams, seen)]
+    assert codes == [0, 0] and not any(errors(e) or "Traceback" in e for e in errs), (codes, errs)
+
+
+def test_two_replicas_on_nodes_of_their_own_answer_through_rank_0_and_ctrl_c_on_rank_0_stops_both(two_nodes):
+    plan_path, directory, model = two_nodes
+    port = free_port()
+    with two_serving(plan_path, directory, prompts(model), port,
+                     "each one emulated GPU in one process on 1 node(s) of its own", 0) as line:
+        assert line.startswith("hetplan serve: 2 replicas of ") and f"http://127.0.0.1:{port}" in line
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         dealt = [metric(metrics, f'hetplan_replica_requests_total{{replica="{r}"}}') for r in (0, 1)]
         assert sum(dealt) == 6 and min(dealt) >= 1, dealt
         assert [metric(metrics, f'hetplan_requests_completed_total{{replica="{r}"}}') for r in (0, 1)] == dealt
         assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
-    finally:
-        procs[0].send_signal(signal.SIGINT)
-        codes = ended(procs, 60)
-    errs = [rest(s, w) for s, w in zip(streams, seen)]
-    assert codes == [0, 0], (codes, errs)
-    assert not any(errors(e) or "Traceback" in e for e in errs), errs
 
 
 def test_a_killed_stage_of_one_replica_stops_every_process_of_both_in_one_line_each(llama_files, tmp_path):
@@ -166,21 +175,9 @@ def test_a_one_node_replicas_plan_under_torchrun_is_served_the_same_way_and_ctrl
     process each: the same tokens through rank 0's front; SIGINT to rank 1 (Ctrl-C on its node,
     as torchrun passes it on) asks rank 0 to stop both, exit 0."""
     plan_path, directory, model = two_replicas
-    items = prompts(model, 2)
-    port = free_port()
-    procs = start(plan_path, directory, 2, port)
-    streams = [lines_of(p) for p in procs]
-    seen = [[], []]
-    try:
-        line = started(streams[0], seen[0])
-        assert "each one emulated GPU in one process on 1 GPU(s) of its own" in line, line
-        listening(port)
-        assert ask_all(port, items) == [ref for _, ref in items]
-    finally:
-        procs[1].send_signal(signal.SIGINT)
-        codes = ended(procs, 60)
-    errs = [rest(s, w) for s, w in zip(streams, seen)]
-    assert codes == [0, 0] and not any(errors(e) or "Traceback" in e for e in errs), (codes, errs)
+    with two_serving(plan_path, directory, prompts(model, 2), free_port(),
+                     "each one emulated GPU in one process on 1 GPU(s) of its own", 1):
+        pass
 
 
 def test_a_world_size_other_than_replicas_times_stages_is_one_line(two_nodes):
