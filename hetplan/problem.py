@@ -120,9 +120,14 @@ def price(graph: BlockGraph, hw: HardwareSpec, profile=None, routing=None) -> Pr
     if has_gpu and spec.is_moe and spec.extra.get("source") != "onnx":
         for phase in PHASES:
             tokens = wl.batch * (wl.prompt_len if phase == "prefill" else 1)
-            experts[phase] = {b.name: expert_layer(spec, hw, tokens, routing.expert_fractions(b.layer, spec)
-                                                   if routing is not None else uniform_fractions(spec))
-                              for b in graph.blocks if b.kind == "moe"}
+            alike: dict = {}   # layers routed alike share one ExpertLayer (every layer, without a profile)
+            experts[phase] = {}
+            for b in graph.blocks:
+                if b.kind == "moe":
+                    f = routing.expert_fractions(b.layer, spec) if routing is not None else uniform_fractions(spec)
+                    if tuple(f) not in alike:
+                        alike[tuple(f)] = expert_layer(spec, hw, tokens, f)
+                    experts[phase][b.name] = alike[tuple(f)]
     return Problem(graph, hw, stages, load_s, kv_down_s,
                    gpu_budget_bytes=float(hw.gpu_budget_bytes()), cpu_budget_bytes=float(hw.cpu_budget_bytes()),
                    gpu_workspace_bytes=ws_gpu if has_gpu else 0.0, cpu_workspace_bytes=ws_cpu,
