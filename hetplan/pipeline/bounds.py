@@ -93,7 +93,7 @@ class StageBound:
         self.spec, self.hw, self.n_layers = spec, hw, L
         self.cap = problem.gpu_budget_bytes
         self.resident = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
-        self._seconds = {}
+        self._seconds, self._least = {}, {}
         self.prefix, self.offload, self.rate = {}, {}, {}
         cpu_bw = hw.cpu.mem_bytes_per_s * hw.efficiency["cpu_mem"]
         for phase in PHASES:
@@ -143,7 +143,9 @@ class StageBound:
             if layer is not None:  # its experts split between the devices: the least split time
                 if streamed_s is not None:  # streamed, it computes on the GPU and loads over the link
                     fastest = min(sc.cpu_s, sc.gpu_s + LINK_WEIGHT / (1 - LINK_WEIGHT) * streamed_s)
-                return min(fastest, min(layer.split_times))
+                if id(layer) not in self._least:   # layers routed alike share one ExpertLayer
+                    self._least[id(layer)] = min(layer.split_times)
+                return min(fastest, self._least[id(layer)])
             work = sc.stage.work
             fastest = min(fastest, work_lower_bound_s(self.hw, self.spec, work.bytes, work.flops, self.cap,
                                                       work.bytes - transient_bytes(work, self.spec)))
