@@ -79,14 +79,18 @@ class CompileRequest:
     """A pipeline's latency (``ttft + gen_len x tpot``) above which its search stops
     (``hetplan.pipeline.plan.Outclassed``): set by ``compile --serve``'s search for a candidate
     that must beat a plan found already; not an option, not recorded."""
+    stage_memo: dict | None = field(default=None, compare=False, repr=False)
+    """Pipeline stages priced (plans, refined bounds) by the single-device planner, kept for the
+    next compile of the same request at another batch or replica count (``hetplan.pipeline.plan``'s
+    memos): set by ``compile --serve``'s search, one for all its candidates; not recorded."""
     notes: list = field(default_factory=list, compare=False)
     """Messages for the user (e.g. which dtype ``auto`` chose); filled while compiling."""
 
     def cli_args(self, routing=None) -> dict:
         """The request as a plan records it: ``routing`` (RoutingStats) replaces the path by its
         document; keys at their default ``None`` that older plans lack are left out."""
-        d = dataclasses.asdict(self)
-        for k in ("notes", "dump_lp", "replicas", "ceiling_s"):
+        d = dataclasses.asdict(dataclasses.replace(self, stage_memo=None))   # (not a copy of the memo's plans)
+        for k in ("notes", "dump_lp", "replicas", "ceiling_s", "stage_memo"):
             d.pop(k)
         d.pop("routing")
         if routing is not None:
@@ -273,6 +277,8 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
                                                       count_layers=not (moe_stages and bool(problem.experts))), floor)
 
     solve.lower_bound = lower_bound
+    if req.stage_memo is not None:
+        solve.memo = req.stage_memo.setdefault((strategy, arg, moe_stages), {})
     return solve
 
 

@@ -43,8 +43,10 @@ mean of the two, ``t >= (1 - w) chain + w link`` (``w = LINK_WEIGHT``); charged 
 cheapest way of running, a streamed MoE block then costs its GPU time plus ``w / (1 - w)``
 times its weights' load over the link, so that the least expert-split time (resident) is what
 an MoE stage costs in the chain (the plain chain bound must allow it streamed at its GPU time).
-The totals come from prefix sums over one whole-model problem per kind of device, so a bound
-costs a few additions. Knows nothing about how stages are chosen or solved.
+A stage that cannot fit at all (``hetplan.diagnose.fits_at_all``: its weights, one KV cache
+and the workspaces beyond the GPU and CPU budgets together) is bounded by ``inf``: no plan of it
+exists. The totals come from prefix sums over one whole-model problem per kind of device, so a
+bound costs a few additions. Knows nothing about how stages are chosen or solved.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ LINK_WEIGHT = 0.01
 """``w`` of the weighted bound ``t >= (1 - w) chain + w link`` (module docstring)."""
 RATE_GRID = 1.02
 """Ratio between neighbouring CPU rates (held bytes per second) the offload bound rounds up to."""
+FIT_SLACK = 1e-9
+"""Relative slack before a stage's bytes rule it out: they are summed in another order than
+``fits_at_all`` sums them, which may round a few ulps apart."""
 FREE = math.inf
 """The class of held bytes the CPU reads at no cost to the bound (an MoE stage in a chain, or a
 stage the CPU runs fastest)."""
@@ -92,8 +97,13 @@ class StageBound:
                     for b in problem.graph.blocks}
         self.spec, self.hw, self.n_layers = spec, hw, L
         self.cap = problem.gpu_budget_bytes
+        self.room = _room(problem)
         self.resident = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
         self._seconds, self._least = {}, {}
+        stored = [0.0] * (L + 2)   # weights and one KV cache per position
+        for b in problem.blocks:
+            stored[position[b.name]] += b.weight_bytes + b.kv_bytes
+        self.stored = list(accumulate(stored, initial=0.0))
         self.prefix, self.offload, self.rate = {}, {}, {}
         cpu_bw = hw.cpu.mem_bytes_per_s * hw.efficiency["cpu_mem"]
         for phase in PHASES:
@@ -224,8 +234,23 @@ class StageBound:
         for every range on every device of a kind)."""
         key = (a, b)
         if key not in self._seconds:
-            self._seconds[key] = self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
+            first, end = (0 if a == 0 else a + 1), (b + 2 if b == self.n_layers else b + 1)
+            if self.stored[end] - self.stored[first] > self.room + FIT_SLACK * abs(self.room):
+                self._seconds[key] = math.inf, math.inf
+            else:
+                self._seconds[key] = self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
         return self._seconds[key]
+
+
+def _room(problem) -> float:
+    """The most weight and KV bytes a problem on this device can hold (``fits_at_all``'s
+    condition): GPU and CPU budgets less both workspaces, or the CPU's alone less its workspace
+    where the GPU cannot hold its own. A stage's workspaces are the whole model's
+    (``graph.workspace_bytes`` depends on its widths, not its layer count)."""
+    if problem.gpu_workspace_bytes <= problem.gpu_budget_bytes:
+        return problem.gpu_budget_bytes + problem.cpu_budget_bytes - problem.gpu_workspace_bytes \
+            - problem.cpu_workspace_bytes
+    return problem.cpu_budget_bytes - problem.cpu_workspace_bytes
 
 
 def _rate_class(nbytes: float, seconds: float) -> float:

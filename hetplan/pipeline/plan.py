@@ -4,6 +4,7 @@ priced by the single-GPU planner, the links between them, and what the whole pre
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -190,10 +191,9 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     L = spec.n_layers
     machines = [topo.device_hw(d) for d in devices]
     kind = [machines.index(m) for m in machines]  # equal devices share prices
-    plans: dict = {}
     copies = micro_batch_count(objective, len(devices))
-
-    key = _stage_key(spec, kind)
+    key = _stage_key(spec, machines)
+    plans, bounds = _memos(solve_stage, spec, wl)
 
     def stage_plan(k, a, b, n_kv=None):
         n_kv = copies if n_kv is None else n_kv
@@ -207,7 +207,9 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def refine(k, a, b):   # the stage's objective is the DP's seconds only under ``sum``
         if not cheap or objective != "sum":
             return None
-        return cheap(device_problem(spec, machines[k], wl, a, b, copies), lower(k, a, b))
+        if key(k, a, b) not in bounds:
+            bounds[key(k, a, b)] = cheap(device_problem(spec, machines[k], wl, a, b, copies), lower(k, a, b))
+        return bounds[key(k, a, b)]
 
 
     def stage(k, a, b, n_kv=None):
@@ -240,16 +242,28 @@ def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "su
     machines = [topo.device_hw(d) for d in topo.devices]
     kind = [machines.index(m) for m in machines]
     _, lower, link = _pricing(spec, topo, wl, objective, machines, kind)
-    return split_lower_bound(spec.n_layers, len(machines), link, objective, lower, _stage_key(spec, kind))
+    return split_lower_bound(spec.n_layers, len(machines), link, objective, lower, _stage_key(spec, machines))
 
 
-def _stage_key(spec: ModelSpec, kind: list):
-    """``key(k, a, b)`` of the stage DP: stages with equal keys cost the same (the same kind of
-    device, as many layers, holding the embedding or the head alike, as many dense layers)."""
+def _memos(solve_stage, spec: ModelSpec, wl: Workload) -> tuple:
+    """(plans, refined bounds) of stages, by stage key (``_stage_key``): dicts of this search
+    alone, or, where ``solve_stage`` carries a ``memo`` (``stage_solver``'s, shared by the
+    candidates of one ``compile --serve``), its entries for this model and workload."""
+    memo = getattr(solve_stage, "memo", None)
+    if memo is None:
+        return {}, {}
+    scope = (json.dumps(spec.to_dict(), sort_keys=True), wl)
+    return memo.setdefault(("plans", *scope), {}), memo.setdefault(("bounds", *scope), {})
+
+
+def _stage_key(spec: ModelSpec, machines: list):
+    """``key(k, a, b)`` of the stage DP: stages with equal keys cost the same (the same device, as
+    described, as many layers, holding the embedding or the head alike, as many dense layers)."""
     L = spec.n_layers
+    device = [json.dumps(m.to_dict(), sort_keys=True) for m in machines]
 
     def key(k, a, b):
-        return kind[k], b - a, a == 0, b == L, min(b - a, max(0, spec.first_dense_layers - a))
+        return device[k], b - a, a == 0, b == L, min(b - a, max(0, spec.first_dense_layers - a))
     return key
 
 
@@ -344,6 +358,8 @@ def _alone(k: int, stage, lower, L: int, best_s: float):
     """(seconds, exact) of the whole model on device ``k`` alone: its price when the DP priced
     it or it can beat ``best_s``, else its lower bound (no solve); None when it does not fit."""
     bound = lower(k, 0, L)
+    if bound == math.inf:   # (the bound is inf only where nothing fits)
+        return None
     exact = stage(k, 0, L) if bound <= best_s * (1 + 1e-9) else None  # a bound as tight as the price
     if exact is not None:
         return None if exact == math.inf else (exact, True)

@@ -161,10 +161,11 @@ def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
         bound = {(r, b): upper(r, b) for r in options for b in batches}
         order = sorted(bound, key=lambda rb: (-bound[rb], rb))
     searches, solve_s, too_big, failure, best = {}, 0.0, {}, None, 0.0
+    memo: dict = {}   # stages priced by one candidate, for the others
     for r, b in order:
         if b >= too_big.get(r, math.inf) or bound.get((r, b), math.inf) * (1 + BOUND_ROUNDING) < best:
             continue
-        one = candidate(req, r, b)
+        one = dataclasses.replace(candidate(req, r, b), stage_memo=memo)
         if best > 0 and len(options) > 1:   # its pipeline search stops once it cannot beat ``best``
             one = dataclasses.replace(one, ceiling_s=r * b * req.gen_len / best * (1 + BOUND_ROUNDING))
         try:

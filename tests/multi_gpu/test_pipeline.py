@@ -10,6 +10,7 @@ import pytest
 from hetplan.compiler import CompileRequest, stage_solver
 from hetplan.hardware import PeerLink
 from hetplan.pipeline import plan_pipeline, slice_model, stage_problem
+from hetplan.pipeline.stages import device_problem as pipeline_device_problem
 from hetplan.workload import Workload
 from tests.conftest import GIB, tiny_node, tiny_spec
 
@@ -133,6 +134,54 @@ def test_the_cheap_stage_bound_never_exceeds_the_solved_stage(moe, wl):
                 lp = SOLVE.lower_bound(stage_problem(spec, hw, wl, 0, a, b))   # the MILP's LP relaxation
                 assert lp is None or lp <= plan.solver["objective_s"] * (1 + 1e-9), (gpu_mib, a, b)
                 assert lp is not None or moe, "a dense stage's count MILP has an LP bound"
+
+
+@pytest.mark.parametrize("gpu_mib", [None, 0.01, 2])   # no GPU; one smaller than its workspace; a GPU
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_stage_bound_is_inf_exactly_where_the_stage_cannot_fit_at_all(moe, gpu_mib):
+    from hetplan.diagnose import fits_at_all
+    from hetplan.pipeline.bounds import StageBound
+    from hetplan.problem import build_problem
+
+    extra = dict(n_experts=8, experts_per_token=2, moe_intermediate=256, first_dense_layers=1) if moe else {}
+    spec = tiny_spec(n_layers=6, **extra)
+    whole = build_problem(spec, tiny_node(gpu_mib and gpu_mib / 1024), WL)
+    need = sum(b.weight_bytes + b.kv_bytes for b in whole.blocks)
+    seen = set()
+    for part in (0.2, 0.45, 0.7, 1.1):   # DRAM for about that part of the model: some stages fit, some not
+        hw = tiny_node(gpu_mib and gpu_mib / 1024, cpu_gib=(part * need + whole.cpu_workspace_bytes) / GIB)
+        bound = StageBound(spec, hw, WL)
+        for a in range(6):
+            for b in range(a + 1, 7):
+                fits = fits_at_all(stage_problem(spec, hw, WL, 0, a, b) if gpu_mib else
+                                   pipeline_device_problem(spec, hw, WL, a, b))
+                assert (math.inf not in bound(a, b)) == fits, (part, a, b)
+                seen.add(fits)
+    assert seen == {True, False}
+
+
+def test_searches_sharing_a_memo_price_a_stage_once_and_choose_as_a_search_alone():
+    spec = tiny_spec(n_layers=4)
+    solve = stage_solver(CompileRequest(model="tiny", hw="tiny", stage_memo={}))
+    calls = []
+
+    def counted(problem):
+        calls.append(problem)
+        return solve(problem)
+    counted.lower_bound, counted.memo = solve.lower_bound, solve.memo
+    hw = two_gpus(3 / 1024, 2.5 / 1024)
+    first = plan_pipeline(spec, hw, WL, counted)
+    priced = len(calls)
+    assert priced > 0
+    second = plan_pipeline(spec, hw, WL, counted)             # everything it prices is known
+    assert len(calls) == priced
+    assert second.predicted() == first.predicted() == plan_pipeline(spec, hw, WL, SOLVE).predicted()
+    swapped = dataclasses.replace(hw, gpus=hw.gpus[::-1])     # the same devices in another order
+    alone = plan_pipeline(spec, swapped, WL, SOLVE)
+    assert plan_pipeline(spec, swapped, WL, counted).predicted() == alone.predicted()
+    other = plan_pipeline(spec, hw, dataclasses.replace(WL, batch=2), counted)   # another workload: priced anew
+    assert len(calls) > priced
+    assert other.predicted() == plan_pipeline(spec, hw, dataclasses.replace(WL, batch=2), SOLVE).predicted()
 
 
 def test_the_offload_bound_is_the_least_time_link_and_cpu_together_move_the_bytes_beyond_hbm():
