@@ -212,6 +212,16 @@ class _Prices:
         return total + sum(self.gap(p, blocks[i - 1], opts[i - 1], blocks[i], opts[i]) for i in range(1, len(blocks)))
 
 
+def _linear(terms) -> pulp.LpAffineExpression:
+    """``sum coef * variable`` over (variable, coef) pairs, a repeated variable's coefficients
+    added, in order of first appearance (``pulp.lpSum`` of the products, without an expression
+    built per term)."""
+    coef: dict = {}
+    for v, c in terms:
+        coef[v] = coef.get(v, 0.0) + c
+    return pulp.LpAffineExpression(coef)
+
+
 class LayerModel:
     """The count MILP for one configuration (staging depth, slot bytes): the flow of the module
     docstring. A gap depends only on the options of the two blocks it lies between, so layer
@@ -260,20 +270,22 @@ class LayerModel:
         self.T = {}
         for p in PHASES:
             self.T[p] = pulp.LpVariable(f"T_{p}", lowBound=0)
-            prob += self.T[p] >= pulp.lpSum(c[p] * v for v, c in arcs.values() if c[p]), f"makespan_{p}"
+            prob += self.T[p] >= _linear((v, c[p]) for v, c in arcs.values() if c[p]), f"makespan_{p}"
         # memory per tier
         def tier_bytes(blocks, opts, on_gpu):
             gpu = sum(prices.gpu_bytes(b, o) for b, o in zip(blocks, opts))
             return (gpu if on_gpu else sum(b.weight_bytes + b.kv_bytes for b in blocks) - gpu) / unit
 
-        first_e = {e: pulp.lpSum(out["E", e]) for e in range(len(self.first_opts))}
-        last_h = {h: pulp.lpSum(into["H", h]) for h in range(len(self.last_opts))}
+        first_e = {e: out["E", e] for e in range(len(self.first_opts))}   # flow variables per option
+        last_h = {h: into["H", h] for h in range(len(self.last_opts))}
         self._add_bus_bounds(prices, first, layer, last, out, into)
         used = pulp.LpVariable("gpu_used", cat="Binary")
         for on_gpu in (True, False):
-            expr = pulp.lpSum(tier_bytes(layer, self.layer_opts[o], on_gpu) * v for o, v in self.n.items())
-            expr += pulp.lpSum(tier_bytes((first,), (self.first_opts[e],), on_gpu) * v for e, v in first_e.items())
-            expr += pulp.lpSum(tier_bytes((last,), (self.last_opts[h],), on_gpu) * v for h, v in last_h.items())
+            expr = _linear([(v, tier_bytes(layer, self.layer_opts[o], on_gpu)) for o, v in self.n.items()]
+                           + [(v, tier_bytes((first,), (self.first_opts[e],), on_gpu))
+                              for e, vs in first_e.items() for v in vs]
+                           + [(v, tier_bytes((last,), (self.last_opts[h],), on_gpu))
+                              for h, vs in last_h.items() for v in vs])
             if on_gpu:
                 expr += depth * slot_bytes / unit + problem.gpu_workspace_bytes / unit * used
                 prob += expr <= problem.gpu_budget_bytes / unit, "gpu_mem"
@@ -281,12 +293,12 @@ class LayerModel:
                 prob += expr + problem.cpu_workspace_bytes / unit <= problem.cpu_budget_bytes / unit, "cpu_mem"
         on_gpu = lambda opts: any(o.g(p) for o in opts for p in PHASES)  # noqa: E731
         prob += L * used >= pulp.lpSum(v for o, v in self.n.items() if on_gpu(self.layer_opts[o])), "gpu_used_layers"
-        for e, v in first_e.items():
+        for e, vs in first_e.items():
             if on_gpu((self.first_opts[e],)):
-                prob += used >= v, f"gpu_used_first_{e}"
-        for h, v in last_h.items():
+                prob += used >= pulp.lpSum(vs), f"gpu_used_first_{e}"
+        for h, vs in last_h.items():
             if on_gpu((self.last_opts[h],)):
-                prob += used >= v, f"gpu_used_last_{h}"
+                prob += used >= pulp.lpSum(vs), f"gpu_used_last_{h}"
         self.weights = Weights(problem)
         prob += self.weights.weighted_ms(self.T), "objective_ms"
         self.n_cuts = 0
