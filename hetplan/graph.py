@@ -208,7 +208,28 @@ def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float
     ]
     if spec.is_mla:  # absorbed attention: q in latent space, its rope part, and the latent output
         stages.append(t * (d + spec.n_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)) * e + mask)
-    return max(stages) + dequant_buffer_elems(spec) * DEQUANT_BYTES[device] + kv_read_bytes(spec, wl)
+    return (max(stages) + dequant_buffer_elems(spec) * DEQUANT_BYTES[device] + kv_read_bytes(spec, wl)
+            + (upcast_bytes(spec, wl) if device == "cpu" else 0))
+
+
+def upcast_bytes(spec: ModelSpec, wl: Workload) -> float:
+    """What a prefill GEMM of 16-bit weights holds besides its output on a CPU without 16-bit
+    GEMMs, multiplied in fp32 (``hetplan.runtime.kernels.linear.upcast_linear``), 4 bytes each:
+    its rows of x, one tile of ``DEQUANT_TILE_ELEMS`` weights (whole rows of the [N, K] weight, at
+    most N) and the tile's products; the most of any linear: the fused q/k/v, the output
+    projection and the MLP's (gate and up fused, down) at a chunk's c rows, the head at one row
+    per sequence. 0 for other weights. Reserved on every CPU (one with 16-bit GEMMs leaves it
+    unused)."""
+    if spec.weight_dtype not in ("bf16", "fp16"):
+        return 0.0
+    c, d, width = wl.batch * wl.chunk_len, spec.hidden, max(spec.intermediate, spec.moe_intermediate)
+    linears = ((spec.q_dim + spec.kv_elems_per_token(), d, c), (d, spec.attn_out_dim, c), (2 * width, d, c),
+               (d, width, c), (spec.vocab, d, wl.batch))
+    most = 0
+    for n, k, rows in linears:
+        tile_rows = min(n, max(1, DEQUANT_TILE_ELEMS // k))
+        most = max(most, rows * k + tile_rows * k + rows * tile_rows)
+    return 4.0 * most
 
 
 KV_READ_TOKENS = 256

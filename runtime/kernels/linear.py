@@ -22,7 +22,11 @@ it runs:
 - a bf16/fp16 tensor on the CPU with up to 8 rows of x: the native kernel, upcasting each block
   of 32 in registers (decode near the bandwidth bound; on a 2-core AVX512-BF16 EPYC 2.7x faster
   than torch's bf16 GEMV), unless ``HETPLAN_CPU_16BIT=1`` asks for torch's on a CPU with native
-  16-bit arithmetic (``cpu_has_16bit``); otherwise ``F.linear``.
+  16-bit arithmetic (``cpu_has_16bit``). With more rows (prefill): ``F.linear`` where the CPU has
+  GEMMs in that dtype (``cpu_gemms_16bit``: AVX512-BF16 or AMX for bf16, AVX512-FP16 or AMX for
+  fp16); elsewhere torch's GEMM there is emulated (1.3 GFLOP/s on a 2-core AVX2 EPYC, against 168
+  in fp32), so x is multiplied in fp32 by a tile of ``TILE_ELEMS`` weights upcast at a time
+  (``upcast_linear``), each output tile rounded back to x's dtype.
 - an fp32 tensor on the CPU with up to 8 rows of x: the native kernel's fp32 GEMV (torch's
   reads at about half the DRAM stream on 2 cores); otherwise ``F.linear``.
 
@@ -92,6 +96,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     elif _native_dense(x, w):
         y = native.module().matmul(x.reshape(-1, x.shape[-1]).float(), FORMAT_IDS[w.dtype], w.shape[1], [w], False)
         y = y.to(x.dtype).view(*x.shape[:-1], -1)
+    elif _upcast(w):
+        y = upcast_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
     else:
         return F.linear(x, w, bias)
     return y.add_(bias) if bias is not None else y
@@ -100,7 +106,27 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 def linear_t(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w for a checkpoint's transposed ``[in, out]`` tensor (GPT-2's Conv1D); a packed one
     holds ``[out, in]`` rows already (``quant.stored_shape``)."""
-    return linear(x, w) if isinstance(w, PackedLinear) else torch.matmul(x, w)
+    if isinstance(w, PackedLinear):
+        return linear(x, w)
+    if _upcast(w):
+        return upcast_linear(x.reshape(-1, x.shape[-1]), w, transposed=True).view(*x.shape[:-1], -1)
+    return torch.matmul(x, w)
+
+
+def upcast_linear(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """x [M, K] @ w^T for a 16-bit w [N, K] (``transposed``: x @ w for w [K, N]), multiplied in
+    fp32, ``TILE_ELEMS`` weights upcast at a time (into cache, never the whole weight) -> [M, N]
+    in x's dtype. Holds x in fp32 and one tile's weights and products in fp32 besides its output
+    (``hetplan.graph.upcast_bytes`` prices them)."""
+    n = w.shape[1] if transposed else w.shape[0]
+    xf = x.float()
+    out = x.new_empty(x.shape[0], n)
+    step = max(1, TILE_ELEMS // max(x.shape[1], 1))
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        tile = w[:, c0:c1] if transposed else w[c0:c1].t()
+        out[:, c0:c1] = xf @ tile.float()
+    return out
 
 
 def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
@@ -159,6 +185,30 @@ def cpu_has_16bit(dtype: torch.dtype) -> bool:
         flags = set(native.cpu_flags().split())
         _CPU_16BIT[dtype] = ("avx512_bf16" if dtype == torch.bfloat16 else "avx512_fp16") in flags
     return _CPU_16BIT[dtype]
+
+
+_CPU_GEMMS_16BIT = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+"""CPU flags under which torch's (oneDNN's) GEMM multiplies that dtype in hardware."""
+
+
+def cpu_gemms_16bit(dtype: torch.dtype) -> bool:
+    """Whether torch's GEMM in ``dtype`` runs in hardware on this CPU (``_CPU_GEMMS_16BIT``),
+    not emulated. ``HETPLAN_CPU_UPCAST=1`` answers no everywhere (the upcasting path, e.g. to
+    test it on such a CPU)."""
+    from hetplan.env import switch
+    if switch("HETPLAN_CPU_UPCAST", False):
+        return False
+    key = ("gemm", dtype)
+    if key not in _CPU_16BIT:
+        _CPU_16BIT[key] = bool(set(_CPU_GEMMS_16BIT[dtype]) & set(native.cpu_flags().split()))
+    return _CPU_16BIT[key]
+
+
+def _upcast(w) -> bool:
+    """A 16-bit tensor on a CPU without GEMMs in its dtype: ``upcast_linear``'s case (at more rows
+    than ``_native_dense`` takes, or where the native kernel did not build)."""
+    return (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dim() == 2
+            and w.dtype in _CPU_GEMMS_16BIT and not cpu_gemms_16bit(w.dtype))
 
 
 def _native_dense(x: torch.Tensor, w) -> bool:

@@ -106,9 +106,17 @@ def compute_dtype(device: str, dtype: str) -> str:
     return "bf16" if quant.compute_dtype("cuda" if device == "gpu" else "cpu") == torch.bfloat16 else "fp32"
 
 
+def runtime_gemm(device: str, dtype: str) -> bool:
+    """Whether ``dtype`` weights are timed through the runtime's ``linear`` rather than torch's
+    GEMM: 16-bit weights on the CPU, which the runtime upcasts (a tile at a time where the CPU
+    has no 16-bit GEMMs, per block of 32 at decode), so that the rate priced is the rate run."""
+    return device == "cpu" and dtype in ("bf16", "fp16")
+
+
 def linear_kernels(device: str, dtype: str) -> list[Kernel]:
     """GEMM/GEMV y = x @ W^T for each standard shape and row count: plain torch for fp32 and
-    16-bit weights, the packed kernels (``linear``) for a quantised format; work as
+    16-bit weights on a GPU, the runtime's ``linear`` for a quantised format and for 16-bit
+    weights on the CPU (``runtime_gemm``); work as
     ``cost.linear_work`` counts it (2 * rows * k * n FLOPs; weight bytes as stored, scales
     included, + activations)."""
     act = TORCH_DTYPES[compute_dtype(device, dtype)]
@@ -121,7 +129,7 @@ def linear_kernels(device: str, dtype: str) -> list[Kernel]:
                 if "w" not in cache:
                     cache["w"] = _grid_weights(dtype, n, k, dev, copies(device, wbytes))
                 x = _rand((rows, k), act, dev, 1.0)
-                if dtype in QUANTISED:
+                if dtype in QUANTISED or runtime_gemm(device, dtype):
                     return cycling([lambda w=w: linear(x, w) for w in cache["w"]])
                 return cycling([lambda w=w: x @ w.T for w in cache["w"]])
             work = Work(flops=2.0 * rows * k * n, bytes=wbytes + rows * (k + n) * act.itemsize, op="linear",

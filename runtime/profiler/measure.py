@@ -34,8 +34,9 @@ import torch
 
 from hetplan.profile.table import Entry, Point, ProfileTable
 from hetplan.runtime.profiler.machine import cache_bytes, load_average, machine_record
+from hetplan.runtime.kernels.linear import linear
 from hetplan.runtime.profiler.kernels import (QUANTISED, TORCH_DTYPES, attention_kernels, compute_dtype,
-                                              linear_kernels, stage_kernels)
+                                              linear_kernels, runtime_gemm, stage_kernels)
 
 MIN_REPEATS, MAX_REPEATS = 3, 31
 LINK_SIZES = tuple(1 << s for s in range(16, 29, 2))
@@ -190,7 +191,8 @@ def _device_peaks(device: str, peaks: dict, rates: dict, budget: Budget, tick) -
     usable, fp32_rate = [], None
     probe = 512 if budget.seconds >= 30 else 256
     for name, dt in TORCH_DTYPES.items():
-        rate = _probe_rate(dt, dev, sync, probe)
+        gemm = (lambda a, b: linear(a, b)) if runtime_gemm(device, name) else (lambda a, b: a @ b)
+        rate = _probe_rate(dt, dev, sync, probe, gemm)
         rates[device, name] = rate
         fp32_rate = fp32_rate or rate
         if rate < USABLE_FRACTION * fp32_rate:
@@ -206,7 +208,7 @@ def _device_peaks(device: str, peaks: dict, rates: dict, budget: Budget, tick) -
         if est > budget.seconds * 0.05:
             size = max(probe, int(size * (budget.seconds * 0.05 / est) ** (1 / 3)) // 64 * 64)
         a, b = torch.ones(size, size, dtype=dt, device=dev), torch.ones(size, size, dtype=dt, device=dev)
-        t = time_call(lambda: a @ b, sync, share)
+        t = time_call(lambda: gemm(a, b), sync, share)
         peaks[f"{where}.flops.{name}"] = rates[device, name] = 2 * size ** 3 / t.median_s
         usable.append(name)
         tick(f"{device} {name} GEMM")
@@ -239,14 +241,14 @@ def _read_again(rates: dict, budget: Budget) -> float | None:
     return nbytes / _read_s(nbytes, "cpu", _sync("cpu"), _peak_share(budget))
 
 
-def _probe_rate(dt, dev: str, sync, n: int) -> float:
-    """FLOP/s of one n^3 GEMM after a small warm-up: enough to tell a native dtype from an
-    emulated one (tens of times slower) without spending seconds on the latter."""
+def _probe_rate(dt, dev: str, sync, n: int, gemm) -> float:
+    """FLOP/s of one n^3 GEMM (``gemm(a, b)``) after a small warm-up: enough to tell a native dtype
+    from an emulated one (tens of times slower) without spending seconds on the latter."""
     a = torch.ones(n, n, dtype=dt, device=dev)
-    a[:64, :64] @ a[:64, :64]
+    gemm(a[:64, :64], a[:64, :64])
     sync()
     t0 = time.perf_counter()
-    a @ a
+    gemm(a, a)
     sync()
     return 2 * n ** 3 / (time.perf_counter() - t0)
 

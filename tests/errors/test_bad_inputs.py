@@ -397,6 +397,7 @@ ENV_CASES = [
     ("HETPLAN_NATIVE_KERNELS", "maybe", ["compile", "config.json", "--hw", "node.yaml", "-o", "out.json"]),
     ("HETPLAN_TRACEBACK", "sometimes", ["show", "plan.json"]),
     ("HETPLAN_CPU_16BIT", "fast", ["exec", "plan.json", "--weights", "random"]),
+    ("HETPLAN_CPU_UPCAST", "always", ["profile", "--out", "node.yaml", "--budget", "5s"]),
     ("HETPLAN_CACHE", "/dev/null", ["exec", "plan.json", "--weights", "random"]),
     ("HETPLAN_CACHE", " ", ["check", "plan.json"]),
 ]

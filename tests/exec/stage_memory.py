@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hetplan.runtime.backend import Step, StageCall
+from hetplan.runtime.kernels import linear as klinear
 from hetplan.runtime.kernels import native
 from hetplan.runtime.models.dense import DenseBackend
 from hetplan.runtime.models.dense_layout import FUSED
@@ -60,8 +61,10 @@ def _weights(backend, kind, layer, dtype, gen):
     return w
 
 
-def prefill_peak_bytes(spec, batch: int, prompt: int, chunk: int) -> int:
-    """Peak live activation bytes of one prefill of ``batch`` x ``prompt`` tokens in chunks of ``chunk``."""
+def prefill_peak_bytes(spec, batch: int, prompt: int, chunk: int, upcast: bool = False) -> int:
+    """Peak live activation bytes of one prefill of ``batch`` x ``prompt`` tokens in chunks of
+    ``chunk``; ``upcast``: 16-bit weights multiplied as a CPU without 16-bit GEMMs multiplies them
+    (``upcast_linear``), else by torch's ops as on a GPU."""
     backend = DenseBackend(spec)
     dev, dtype = torch.device("cpu"), backend.dtype
     backend.setup(dev, prompt)
@@ -77,8 +80,10 @@ def prefill_peak_bytes(spec, batch: int, prompt: int, chunk: int) -> int:
         return backend.run(StageCall(kind, block, layer, dev, blocks[block], inputs, step))
 
     # The planner prices this workspace for a GPU, where the stages run torch's ops: the CPU's
-    # native norms, rope and kernels (fewer temporaries) are kept out of the measurement.
-    with torch.inference_mode(), mock.patch.object(native, "module", lambda: None), LiveBytes() as live:
+    # native norms, rope and kernels (fewer temporaries) are kept out of the measurement; a CPU
+    # without 16-bit GEMMs (``upcast``) adds its fp32 tiles.
+    with torch.inference_mode(), mock.patch.object(native, "module", lambda: None), \
+            mock.patch.object(klinear, "cpu_gemms_16bit", lambda dtype: not upcast), LiveBytes() as live:
         x = call("embed", "embed", None, {"ids": ids})["x"]
         for l in range(spec.n_layers):
             qkv = call("attn_in", f"attn_{l}", l, {"x": x})

@@ -86,6 +86,18 @@ def test_planned_workspace_covers_what_the_prefill_allocates(dtype, batch, promp
     assert measured <= planned <= 1.10 * measured
 
 
+@pytest.mark.parametrize("batch,prompt,chunk", [(1, 256, 256), (2, 256, 32), (1, 1024, 100), (2, 1024, 256)])
+def test_the_cpu_workspace_covers_a_16bit_prefill_upcast_a_tile_at_a_time(batch, prompt, chunk):
+    """On a CPU without 16-bit GEMMs a bf16 prefill also holds fp32 copies (x, a tile of weights,
+    its products): the CPU's workspace covers them, within what rounding the tile to whole rows
+    and the peaks' coinciding leave (at most 1.5x)."""
+    spec = tiny_spec(weight_dtype="bf16", kv_dtype="bf16", vocab=9000)
+    measured = prefill_peak_bytes(spec, batch, prompt, chunk, upcast=True)
+    planned = workspace_bytes(spec, Workload(batch, prompt, 1, prefill_chunk=chunk), "cpu")
+    assert measured > prefill_peak_bytes(spec, batch, prompt, chunk)
+    assert measured <= planned <= 1.5 * measured
+
+
 def test_smaller_chunks_allocate_less():
     spec = tiny_spec(weight_dtype="fp32", kv_dtype="fp32")
     peaks = [prefill_peak_bytes(spec, 1, 1024, c) for c in (1024, 256, 64)]

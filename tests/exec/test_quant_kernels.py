@@ -156,6 +156,45 @@ def test_16bit_upcasting_kernel_equals_fp32_matmul(monkeypatch, dtype, shape):
     assert (np.abs(exact.double().numpy() - ref) <= 1e-5 * scale + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(40, 100), (75, 33)])
+@pytest.mark.parametrize("m", [9, 64])
+def test_16bit_prefill_without_16bit_gemms_is_an_fp32_matmul_a_tile_at_a_time(monkeypatch, dtype, shape, m):
+    """A CPU without 16-bit GEMMs (forced by ``HETPLAN_CPU_UPCAST``): more rows than the native
+    kernel takes are multiplied in fp32 by tiles of upcast weights (here 3 x 100 weights, so
+    several tiles and a short last one), each output rounded to x's dtype: within that rounding
+    of x @ w^T in float64, and within fp32 accumulation of it before the rounding."""
+    monkeypatch.setenv("HETPLAN_CPU_UPCAST", "1")
+    monkeypatch.setattr(klinear, "TILE_ELEMS", 300)
+    w, bias = weights(shape, 21).to(dtype), torch.randn(shape[0]).to(dtype)
+    x = torch.randn(2, m, shape[1]).to(dtype)
+    assert not klinear._native_dense(x, w) and klinear._upcast(w)
+    xd, wd = x.view(2 * m, -1).double().numpy(), w.double().numpy()
+    ref = xd @ wd.T
+    scale = np.abs(xd) @ np.abs(wd).T
+    unit = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)   # half an ulp of the 16-bit output
+    got = linear(x, w).view(2 * m, -1).double().numpy()
+    assert (np.abs(got - ref) <= unit * np.abs(ref) + 1e-5 * scale + 1e-6).all()
+    exact = klinear.upcast_linear(x.view(2 * m, -1).float(), w).double().numpy()   # fp32 in, fp32 out
+    assert (np.abs(exact - ref) <= 1e-5 * scale + 1e-6).all()
+    with_bias = linear(x, w, bias).view(2 * m, -1).double().numpy()
+    assert (np.abs(with_bias - (ref + bias.double().numpy())) <= 2 * unit * (np.abs(ref) + np.abs(bias.double().numpy()))
+            + 1e-5 * scale + 1e-6).all()
+    wt = w.t().contiguous()   # a checkpoint's transposed [in, out] tensor (GPT-2's Conv1D)
+    got_t = klinear.linear_t(x, wt).view(2 * m, -1).double().numpy()
+    assert (np.abs(got_t - ref) <= unit * np.abs(ref) + 1e-5 * scale + 1e-6).all()
+
+
+def test_16bit_gemms_are_taken_where_the_cpu_has_them(monkeypatch):
+    monkeypatch.delenv("HETPLAN_CPU_UPCAST", raising=False)
+    monkeypatch.setattr(klinear, "_CPU_16BIT", {})
+    monkeypatch.setattr(native, "cpu_flags", lambda: "avx2 avx512f avx512_bf16 fma")
+    assert klinear.cpu_gemms_16bit(torch.bfloat16) and not klinear.cpu_gemms_16bit(torch.float16)
+    assert not klinear._upcast(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert klinear._upcast(torch.zeros(4, 4, dtype=torch.float16))
+    assert not klinear._upcast(torch.zeros(4, 4))   # fp32: torch's GEMM
+
+
 @pytest.mark.parametrize("shape", [(40, 100), (64, 512), (5, 17)])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_fp32_gemv_kernel_equals_fp32_matmul(shape, m):
