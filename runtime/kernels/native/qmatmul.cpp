@@ -27,6 +27,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HETPLAN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HETPLAN_AVX2 1
 #endif
 #include <vector>
 
@@ -164,6 +167,14 @@ inline void over_segments(const std::vector<Seg>& segs, int64_t a, int64_t e, F 
   }
 }
 
+#if defined(HETPLAN_AVX512) || defined(HETPLAN_AVX2)
+inline float h2f_fast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#endif
+
 #ifdef HETPLAN_AVX512
 // 16 values from p as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -171,12 +182,6 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-
-inline float h2f_fast(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 inline __m512 nib_lo(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(15)))); }
 inline __m512 nib_hi(__m128i v) {
@@ -234,13 +239,78 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
 }
 #endif
 
+#ifdef HETPLAN_AVX2
+// 8 values from p as fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// Bytes 0..7 and 8..15 of v, unsigned, as fp32.
+inline __m256 u8_lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline __m256 u8_hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))); }
+
+// Block b of row n (a whole block, inside K) as four vectors: values 8 i .. 8 i + 7.
+template <int FMT>
+inline void block_vec(const Rows& r, int64_t n, int64_t b, __m256 (&w)[4]) {
+  const int64_t k0 = 32 * b;
+  if (FMT == Q8_0 || FMT == INT8) {
+    const float d = FMT == Q8_0 ? h2f_fast(r.p[0] + n * r.stride[0] + 2 * b)
+                                : *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
+    const __m256 vd = _mm256_set1_ps(d);
+    const uint8_t* q = r.p[1] + n * r.stride[1] + k0;
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))));
+  } else if (FMT == Q4_0 || FMT == INT4 || FMT == Q4_K_M) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        (FMT == Q4_0 || FMT == INT4 ? r.p[1] + n * r.stride[1] : r.p[3] + n * r.stride[3]) + 16 * b));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+    __m128i first = lo, second = hi;        // q4_0: values 0..15 low nibbles, 16..31 high
+    if (FMT != Q4_0) {                      // int4, q4_k_m: value 2 j low, 2 j + 1 high nibble of byte j
+      first = _mm_unpacklo_epi8(lo, hi);
+      second = _mm_unpackhi_epi8(lo, hi);
+    }
+    w[0] = u8_lo(first), w[1] = u8_hi(first), w[2] = u8_lo(second), w[3] = u8_hi(second);
+    if (FMT == Q4_K_M) {
+      const float dmin = *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0] + 4 * (b / 8));
+      const __m256 vd = _mm256_set1_ps(h2f_fast(r.p[1] + n * r.stride[1] + 2 * b));
+      const __m256 vm = _mm256_set1_ps(dmin * static_cast<float>(r.p[2][n * r.stride[2] + b]));
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_fmsub_ps(vd, w[i], vm);
+    } else {
+      const float d = FMT == Q4_0 ? h2f_fast(r.p[0] + n * r.stride[0] + 2 * b)
+                                  : *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
+      const __m256 vd = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.f);
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(vd, _mm256_sub_ps(w[i], eight));
+    }
+  } else if (FMT == BF16) {
+    const auto* p = reinterpret_cast<const c10::BFloat16*>(r.p[0] + n * r.stride[0]) + k0;
+    for (int i = 0; i < 4; ++i) w[i] = load8(p + 8 * i);
+  } else if (FMT == FP32) {
+    const float* p = reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]) + k0;
+    for (int i = 0; i < 4; ++i) w[i] = load8(p + 8 * i);
+  } else {
+    const auto* p = reinterpret_cast<const c10::Half*>(r.p[0] + n * r.stride[0]) + k0;
+    for (int i = 0; i < 4; ++i) w[i] = load8(p + 8 * i);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 #include "qint8.h"
 #include "qdecode.h"
 #include "smallops.h"
 
 // Rows [n0, n1) of y for M rows of x (padded to Kp): FMT and M known at compile time, so the
 // block's 32 weights and the M accumulators stay in vector registers (AVX-512 intrinsics where
-// the compiler targets them; the portable loop otherwise, and for a row's partial last block).
+// the compiler targets them, else AVX2 + FMA + F16C ones; the portable loop otherwise, and for a
+// row's partial last block).
 template <int FMT, int M>
 void direct_rows(const Rows& r, const float* __restrict x, int64_t Kp, float* __restrict y, int64_t ldy,
                  int64_t n0, int64_t n1) {
@@ -273,6 +343,30 @@ void direct_rows(const Rows& r, const float* __restrict x, int64_t Kp, float* __
       }
     }
     for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#elif defined(HETPLAN_AVX2)
+    __m256 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 wv[4];
+      if (b < whole) {
+        if (FMT == BF16 || FMT == FP16 || FMT == FP32) {   // streamed once: keep it out of L2/L3 (see qdecode.h)
+          const char* ahead = reinterpret_cast<const char*>(r.p[0] + n * r.stride[0]) + (FMT == FP32 ? 128 : 64) * b + 1024;
+          _mm_prefetch(ahead, _MM_HINT_NTA);
+          if (FMT == FP32) _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+        }
+        block_vec<FMT>(r, n, b, wv);
+      } else {                               // a row's partial last block, zero-padded
+        block<FMT>(r, n, b, w);
+        for (int i = 0; i < 4; ++i) wv[i] = _mm256_load_ps(w + 8 * i);
+      }
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * Kp + 32 * b;
+        for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i), wv[i], acc[m][i]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      y[m * ldy + n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
 #else
     alignas(64) float acc[M][32];
     for (int m = 0; m < M; ++m)
