@@ -215,11 +215,11 @@ def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float
 def upcast_bytes(spec: ModelSpec, wl: Workload) -> float:
     """What a prefill GEMM of 16-bit weights holds besides its output on a CPU without 16-bit
     GEMMs, multiplied in fp32 (``hetplan.runtime.kernels.linear.upcast_linear``), 4 bytes each:
-    its rows of x, one tile of ``DEQUANT_TILE_ELEMS`` weights (whole rows of the [N, K] weight, at
-    most N) and the tile's products; the most of any linear: the fused q/k/v, the output
-    projection and the MLP's (gate and up fused, down) at a chunk's c rows, the head at one row
-    per sequence. 0 for other weights. Reserved on every CPU (one with 16-bit GEMMs leaves it
-    unused)."""
+    a block of x's rows (``max(64, 4 DEQUANT_TILE_ELEMS / K)``, at most its rows), one tile of
+    ``DEQUANT_TILE_ELEMS`` weights (whole rows of the [N, K] weight, at most N) and their
+    products; the most of any linear: the fused q/k/v, the output projection and the MLP's (gate
+    and up fused, down) at a chunk's c rows, the head at one row per sequence. 0 for other
+    weights. Reserved on every CPU (one with 16-bit GEMMs leaves it unused)."""
     if spec.weight_dtype not in ("bf16", "fp16"):
         return 0.0
     c, d, width = wl.batch * wl.chunk_len, spec.hidden, max(spec.intermediate, spec.moe_intermediate)
@@ -227,8 +227,9 @@ def upcast_bytes(spec: ModelSpec, wl: Workload) -> float:
                (d, width, c), (spec.vocab, d, wl.batch))
     most = 0
     for n, k, rows in linears:
+        block = min(rows, max(64, 4 * DEQUANT_TILE_ELEMS // k))
         tile_rows = min(n, max(1, DEQUANT_TILE_ELEMS // k))
-        most = max(most, rows * k + tile_rows * k + rows * tile_rows)
+        most = max(most, block * k + tile_rows * k + block * tile_rows)
     return 4.0 * most
 
 

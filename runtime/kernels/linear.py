@@ -116,17 +116,25 @@ def linear_t(x: torch.Tensor, w) -> torch.Tensor:
 def upcast_linear(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """x [M, K] @ w^T for a 16-bit w [N, K] (``transposed``: x @ w for w [K, N]), multiplied in
     fp32, ``TILE_ELEMS`` weights upcast at a time (into cache, never the whole weight) -> [M, N]
-    in x's dtype. Holds x in fp32 and one tile's weights and products in fp32 besides its output
-    (``hetplan.graph.upcast_bytes`` prices them)."""
-    n = w.shape[1] if transposed else w.shape[0]
-    xf = x.float()
+    in x's dtype. x is taken ``upcast_rows(K)`` rows at a time, so besides its output it holds
+    those rows, one tile of weights and their products in fp32 (``hetplan.graph.upcast_bytes``
+    prices them); a long prompt upcasts each tile once per block of rows, a few per cent of the
+    GEMM's time."""
+    n, k = (w.shape[1] if transposed else w.shape[0]), x.shape[1]
     out = x.new_empty(x.shape[0], n)
-    step = max(1, TILE_ELEMS // max(x.shape[1], 1))
-    for c0 in range(0, n, step):
-        c1 = min(n, c0 + step)
-        tile = w[:, c0:c1] if transposed else w[c0:c1].t()
-        out[:, c0:c1] = xf @ tile.float()
+    step, rows = max(1, TILE_ELEMS // max(k, 1)), upcast_rows(k)
+    for r0 in range(0, x.shape[0], rows):
+        xf = x[r0:r0 + rows].float()
+        for c0 in range(0, n, step):
+            c1 = min(n, c0 + step)
+            tile = w[:, c0:c1] if transposed else w[c0:c1].t()
+            out[r0:r0 + rows, c0:c1] = xf @ tile.float()
     return out
+
+
+def upcast_rows(k: int) -> int:
+    """Rows of x ``upcast_linear`` multiplies at a time: ``4 TILE_ELEMS / k``, at least 64."""
+    return max(64, 4 * TILE_ELEMS // max(k, 1))
 
 
 def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
