@@ -17,12 +17,18 @@ from hetplan.units import format_bytes
 
 def fits_at_all(problem: Problem) -> bool:
     """A necessary condition for feasibility: everything fits in GPU + CPU together
-    (weights + KV + workspaces <= GPU budget + CPU budget; all-CPU when the GPU cannot even hold
-    its workspace)."""
-    need = sum(b.weight_bytes + b.kv_bytes for b in problem.blocks) + problem.cpu_workspace_bytes
+    (weights + KV <= ``room_bytes``)."""
+    return sum(b.weight_bytes + b.kv_bytes for b in problem.blocks) <= room_bytes(problem)
+
+
+def room_bytes(problem: Problem) -> float:
+    """The most weight and KV bytes ``problem``'s device can hold: GPU and CPU budgets less both
+    workspaces, or the CPU's budget less its workspace where the GPU cannot even hold its own
+    (all-CPU)."""
     if problem.gpu_workspace_bytes <= problem.gpu_budget_bytes:
-        return need + problem.gpu_workspace_bytes <= problem.gpu_budget_bytes + problem.cpu_budget_bytes
-    return need <= problem.cpu_budget_bytes
+        return (problem.gpu_budget_bytes + problem.cpu_budget_bytes - problem.gpu_workspace_bytes
+                - problem.cpu_workspace_bytes)
+    return problem.cpu_budget_bytes - problem.cpu_workspace_bytes
 
 
 def _variant(problem: Problem, spec=None, **workload) -> Problem:

@@ -215,7 +215,7 @@ def workspace_bytes(spec: ModelSpec, wl: Workload, device: str = "gpu") -> float
 def upcast_bytes(spec: ModelSpec, wl: Workload) -> float:
     """What a prefill GEMM of 16-bit weights holds besides its output on a CPU without 16-bit
     GEMMs, multiplied in fp32 (``hetplan.runtime.kernels.linear.upcast_linear``), 4 bytes each:
-    a block of x's rows (``max(64, 4 DEQUANT_TILE_ELEMS / K)``, at most its rows), one tile of
+    a block of x's rows (``upcast_rows``, at most its rows), one tile of
     ``DEQUANT_TILE_ELEMS`` weights (whole rows of the [N, K] weight, at most N) and their
     products; the most of any linear: the fused q/k/v, the output projection and the MLP's (gate
     and up fused, down) at a chunk's c rows, the head at one row per sequence. 0 for other
@@ -227,7 +227,7 @@ def upcast_bytes(spec: ModelSpec, wl: Workload) -> float:
                (d, width, c), (spec.vocab, d, wl.batch))
     most = 0
     for n, k, rows in linears:
-        block = min(rows, max(64, 4 * DEQUANT_TILE_ELEMS // k))
+        block = min(rows, upcast_rows(k))
         tile_rows = min(n, max(1, DEQUANT_TILE_ELEMS // k))
         most = max(most, block * k + tile_rows * k + block * tile_rows)
     return 4.0 * most
@@ -271,3 +271,9 @@ def dequant_buffer_elems(spec: ModelSpec) -> int:
 
 DEQUANT_TILE_ELEMS = 1 << 20
 """Weights one prefill GEMM tile dequantises at a time (``hetplan.runtime.kernels.linear.TILE_ELEMS``)."""
+
+
+def upcast_rows(k: int, tile: int = DEQUANT_TILE_ELEMS) -> int:
+    """Rows of x ``upcast_linear`` multiplies at a time for an input width ``k``: ``4 tile / k``,
+    at least 64."""
+    return max(64, 4 * tile // max(k, 1))

@@ -56,6 +56,7 @@ from itertools import accumulate
 
 from hetplan.bounds import work_lower_bound_s
 from hetplan.cost import activation_bytes_per_elem
+from hetplan.diagnose import room_bytes
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 from hetplan.problem import build_problem
@@ -97,7 +98,7 @@ class StageBound:
                     for b in problem.graph.blocks}
         self.spec, self.hw, self.n_layers = spec, hw, L
         self.cap = problem.gpu_budget_bytes
-        self.room = _room(problem)
+        self.room = room_bytes(problem)   # a stage's workspaces are the whole model's: by width, not layers
         self.resident = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
         self._seconds, self._least = {}, {}
         stored = [0.0] * (L + 2)   # weights and one KV cache per position
@@ -240,17 +241,6 @@ class StageBound:
             else:
                 self._seconds[key] = self.phase_s("prefill", a, b), self.phase_s("decode", a, b)
         return self._seconds[key]
-
-
-def _room(problem) -> float:
-    """The most weight and KV bytes a problem on this device can hold (``fits_at_all``'s
-    condition): GPU and CPU budgets less both workspaces, or the CPU's alone less its workspace
-    where the GPU cannot hold its own. A stage's workspaces are the whole model's
-    (``graph.workspace_bytes`` depends on its widths, not its layer count)."""
-    if problem.gpu_workspace_bytes <= problem.gpu_budget_bytes:
-        return problem.gpu_budget_bytes + problem.cpu_budget_bytes - problem.gpu_workspace_bytes \
-            - problem.cpu_workspace_bytes
-    return problem.cpu_budget_bytes - problem.cpu_workspace_bytes
 
 
 def _rate_class(nbytes: float, seconds: float) -> float:

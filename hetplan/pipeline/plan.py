@@ -207,9 +207,10 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def refine(k, a, b):   # the stage's objective is the DP's seconds only under ``sum``
         if not cheap or objective != "sum":
             return None
-        if key(k, a, b) not in bounds:
-            bounds[key(k, a, b)] = cheap(device_problem(spec, machines[k], wl, a, b, copies), lower(k, a, b))
-        return bounds[key(k, a, b)]
+        at = key(k, a, b)
+        if at not in bounds:
+            bounds[at] = cheap(device_problem(spec, machines[k], wl, a, b, copies), lower(k, a, b))
+        return bounds[at]
 
 
     def stage(k, a, b, n_kv=None):

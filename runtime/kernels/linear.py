@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetplan.graph import DEQUANT_TILE_ELEMS
+from hetplan.graph import DEQUANT_TILE_ELEMS, upcast_rows
 from hetplan.runtime.kernels import native, quant
 
 FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "int8": 2, "int4": 3, "q4_k_m": 4, torch.bfloat16: 5, torch.float16: 6,
@@ -122,7 +122,7 @@ def upcast_linear(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) ->
     GEMM's time."""
     n, k = (w.shape[1] if transposed else w.shape[0]), x.shape[1]
     out = x.new_empty(x.shape[0], n)
-    step, rows = max(1, TILE_ELEMS // max(k, 1)), upcast_rows(k)
+    step, rows = max(1, TILE_ELEMS // max(k, 1)), upcast_rows(k, TILE_ELEMS)
     for r0 in range(0, x.shape[0], rows):
         xf = x[r0:r0 + rows].float()
         for c0 in range(0, n, step):
@@ -130,11 +130,6 @@ def upcast_linear(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) ->
             tile = w[:, c0:c1] if transposed else w[c0:c1].t()
             out[r0:r0 + rows, c0:c1] = xf @ tile.float()
     return out
-
-
-def upcast_rows(k: int) -> int:
-    """Rows of x ``upcast_linear`` multiplies at a time: ``4 TILE_ELEMS / k``, at least 64."""
-    return max(64, 4 * TILE_ELEMS // max(k, 1))
 
 
 def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:

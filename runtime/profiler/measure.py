@@ -191,7 +191,7 @@ def _device_peaks(device: str, peaks: dict, rates: dict, budget: Budget, tick) -
     usable, fp32_rate = [], None
     probe = 512 if budget.seconds >= 30 else 256
     for name, dt in TORCH_DTYPES.items():
-        gemm = (lambda a, b: linear(a, b)) if runtime_gemm(device, name) else (lambda a, b: a @ b)
+        gemm = linear if runtime_gemm(device, name) else torch.matmul
         rate = _probe_rate(dt, dev, sync, probe, gemm)
         rates[device, name] = rate
         fp32_rate = fp32_rate or rate

@@ -173,6 +173,23 @@ inline float h2f_fast(const uint8_t* p) {
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
+
+// The scale of block b of row n: fp16 per block (q8_0, q4_0), fp32 per row (int8, int4).
+template <int FMT>
+inline float block_scale(const Rows& r, int64_t n, int64_t b) {
+  return FMT == Q8_0 || FMT == Q4_0 ? h2f_fast(r.p[0] + n * r.stride[0] + 2 * b)
+                                    : *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
+}
+
+// A 16/32-bit weight row is streamed once: prefetch its block b + 8 past L2/L3 (see qdecode.h).
+template <int FMT>
+inline void stream_ahead(const Rows& r, int64_t n, int64_t b) {
+  if (FMT == BF16 || FMT == FP16 || FMT == FP32) {
+    const char* ahead = reinterpret_cast<const char*>(r.p[0] + n * r.stride[0]) + (FMT == FP32 ? 128 : 64) * b + 1024;
+    _mm_prefetch(ahead, _MM_HINT_NTA);
+    if (FMT == FP32) _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+  }
+}
 #endif
 
 #ifdef HETPLAN_AVX512
@@ -193,14 +210,12 @@ template <int FMT>
 inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w1) {
   const int64_t k0 = 32 * b;
   if (FMT == Q8_0 || FMT == INT8) {
-    const float d = FMT == Q8_0 ? h2f_fast(r.p[0] + n * r.stride[0] + 2 * b)
-                                : *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
-    const __m512 vd = _mm512_set1_ps(d);
+    const __m512 vd = _mm512_set1_ps(block_scale<FMT>(r, n, b));
     const uint8_t* q = r.p[1] + n * r.stride[1] + k0;
     w0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
     w1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
   } else if (FMT == Q4_0) {
-    const __m512 vd = _mm512_set1_ps(h2f_fast(r.p[0] + n * r.stride[0] + 2 * b));
+    const __m512 vd = _mm512_set1_ps(block_scale<FMT>(r, n, b));
     const __m512 eight = _mm512_set1_ps(8.f);
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.p[1] + n * r.stride[1] + 16 * b));
     w0 = _mm512_mul_ps(vd, _mm512_sub_ps(nib_lo(v), eight));
@@ -212,7 +227,7 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m512& w0, __m512& w
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
     const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
     if (FMT == INT4) {
-      const __m512 vd = _mm512_set1_ps(*reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]));
+      const __m512 vd = _mm512_set1_ps(block_scale<FMT>(r, n, b));
       const __m512 eight = _mm512_set1_ps(8.f);
       w0 = _mm512_mul_ps(vd, _mm512_sub_ps(a, eight));
       w1 = _mm512_mul_ps(vd, _mm512_sub_ps(c, eight));
@@ -255,9 +270,7 @@ template <int FMT>
 inline void block_vec(const Rows& r, int64_t n, int64_t b, __m256 (&w)[4]) {
   const int64_t k0 = 32 * b;
   if (FMT == Q8_0 || FMT == INT8) {
-    const float d = FMT == Q8_0 ? h2f_fast(r.p[0] + n * r.stride[0] + 2 * b)
-                                : *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
-    const __m256 vd = _mm256_set1_ps(d);
+    const __m256 vd = _mm256_set1_ps(block_scale<FMT>(r, n, b));
     const uint8_t* q = r.p[1] + n * r.stride[1] + k0;
     for (int i = 0; i < 4; ++i)
       w[i] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -278,9 +291,7 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m256 (&w)[4]) {
       const __m256 vm = _mm256_set1_ps(dmin * static_cast<float>(r.p[2][n * r.stride[2] + b]));
       for (int i = 0; i < 4; ++i) w[i] = _mm256_fmsub_ps(vd, w[i], vm);
     } else {
-      const float d = FMT == Q4_0 ? h2f_fast(r.p[0] + n * r.stride[0] + 2 * b)
-                                  : *reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]);
-      const __m256 vd = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.f);
+      const __m256 vd = _mm256_set1_ps(block_scale<FMT>(r, n, b)), eight = _mm256_set1_ps(8.f);
       for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(vd, _mm256_sub_ps(w[i], eight));
     }
   } else if (FMT == BF16) {
@@ -321,11 +332,7 @@ void direct_rows(const Rows& r, const float* __restrict x, int64_t Kp, float* __
     __m512 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < whole; ++b) {
-      if (FMT == BF16 || FMT == FP16 || FMT == FP32) {   // streamed once: keep it out of L2/L3 (see qdecode.h)
-        const char* ahead = reinterpret_cast<const char*>(r.p[0] + n * r.stride[0]) + (FMT == FP32 ? 128 : 64) * b + 1024;
-        _mm_prefetch(ahead, _MM_HINT_NTA);
-        if (FMT == FP32) _mm_prefetch(ahead + 64, _MM_HINT_NTA);
-      }
+      stream_ahead<FMT>(r, n, b);
       __m512 w0, w1;
       block_vec<FMT>(r, n, b, w0, w1);
       for (int m = 0; m < M; ++m) {
@@ -350,11 +357,7 @@ void direct_rows(const Rows& r, const float* __restrict x, int64_t Kp, float* __
     for (int64_t b = 0; b < nb; ++b) {
       __m256 wv[4];
       if (b < whole) {
-        if (FMT == BF16 || FMT == FP16 || FMT == FP32) {   // streamed once: keep it out of L2/L3 (see qdecode.h)
-          const char* ahead = reinterpret_cast<const char*>(r.p[0] + n * r.stride[0]) + (FMT == FP32 ? 128 : 64) * b + 1024;
-          _mm_prefetch(ahead, _MM_HINT_NTA);
-          if (FMT == FP32) _mm_prefetch(ahead + 64, _MM_HINT_NTA);
-        }
+        stream_ahead<FMT>(r, n, b);
         block_vec<FMT>(r, n, b, wv);
       } else {                               // a row's partial last block, zero-padded
         block<FMT>(r, n, b, w);
