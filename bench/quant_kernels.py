@@ -8,7 +8,7 @@ Per format (q8_0, q4_0, int8, int4, q4_k_m), with the weight [N, K] = [5632, 204
 
 - decode (M = 1): the native kernel's GEMV over a weight of ``--decode-mib`` packed MiB (the
   rows repeated, so the bytes stream from DRAM, not from the caches), GB/s = packed bytes /
-  time, x multiplied in int8 (the default where AVX-512 VNNI is) and in fp32; beside it the
+  time, x multiplied in int8 (the default where AVX-512 VNNI or AVX2 is) and in fp32; beside it the
   DRAM streaming read (``exec_cpu.bandwidth``: a 1 GiB sum), torch's fp32 GEMV and the native
   fp32 and bf16 GEMVs over the same number of bytes.
 - the decode kernels' compute rate (``--compute-only`` prints only this): one thread, a weight
@@ -16,7 +16,7 @@ Per format (q8_0, q4_0, int8, int4, q4_k_m), with the weight [N, K] = [5632, 204
   time (``time.thread_time``), M = 1 and 4: what one core can multiply when DRAM is not the
   limit, which a loaded machine changes far less than wall-clock rates.
 - prefill (M = 64, 512): GFLOP/s (2 M N K / time) of the int8 path (x quantised per block,
-  AVX-512 VNNI), of the fp32 tile path (``HETPLAN_INT8_PREFILL=0``: 1 MiB tiles dequantised,
+  AVX-512 VNNI or AVX2), of the fp32 tile path (``HETPLAN_INT8_PREFILL=0``: 1 MiB tiles dequantised,
   torch's GEMM per tile) and of torch's fp32 GEMM on the dequantised weight; and in the same
   row torch's own nearest op: for q8_0 ``torch._int_mm`` (int8 x int8 -> int32 with no scales
   at all: the ceiling of a per-tensor int8 GEMM, not a q8_0 kernel), for int8
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target = args.decode_mib * 2**20
     print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, W [{N}, {K}], "
-          f"int8 prefill kernel: {'yes' if mod.has_int8() else 'no (no AVX-512 VNNI)'}")
+          f"int8 prefill kernel: {'yes' if mod.has_int8() else 'no (neither AVX-512 VNNI nor AVX2)'}")
     dram = bandwidth() / 1e9
     w32 = torch.randn(max(1, target // (4 * K)), K)
     x1 = torch.randn(1, K)

@@ -19,8 +19,8 @@ SWITCHES = {
                          "(default 0: the native kernel upcasting per block, faster at decode)",
     "HETPLAN_CPU_UPCAST": "multiply 16-bit weights at prefill in fp32, a tile upcast at a time, even where the CPU has "
                           "16-bit GEMMs (default 0: only where it has none)",
-    "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI is)",
-    "HETPLAN_INT8_DECODE": "multiply decode activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI is)",
+    "HETPLAN_INT8_PREFILL": "multiply prefill activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI or AVX2 is)",
+    "HETPLAN_INT8_DECODE": "multiply decode activations in int8 with the native kernel on packed weights (default 1 where AVX-512 VNNI or AVX2 is)",
     "HETPLAN_HUGE_PAGES": "ask for transparent huge pages under weights and caches in host memory (default 1)",
 }
 PATHS = {"HETPLAN_CACHE": "the folder native kernels are built into (default ~/.cache/hetplan)"}

@@ -17,8 +17,8 @@ import pytest
 from hetplan.hardware import DeviceSpec, HardwareSpec
 
 # Logits are held to 1e-4 of transformers with x multiplied in fp32: the int8-activation paths
-# of the native kernel (on by default where AVX-512 VNNI is) have their own bound, tested with
-# these switches set to 1 in tests/exec/test_int8_prefill.py. Set for the whole run (module
+# of the native kernel (on by default: prefill where AVX-512 VNNI is, decode also with AVX2) have their own bound, tested with
+# these switches set to 1 in tests/exec/test_int8_kernels.py. Set for the whole run (module
 # fixtures and CLI subprocesses included); a test that sets them itself wins.
 os.environ.setdefault("HETPLAN_INT8_PREFILL", "0")
 os.environ.setdefault("HETPLAN_INT8_DECODE", "0")

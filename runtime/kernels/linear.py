@@ -6,13 +6,13 @@ either a tensor or a ``PackedLinear``, the packed rows of one linear (or of seve
 it runs:
 
 - a packed weight on the CPU: the native kernel (``native``), which reads the packed bytes.
-  For up to 8 rows of x (decode), on a CPU with AVX-512 VNNI (``HETPLAN_INT8_DECODE=0`` turns
-  it off), x is quantised per block of 32 as q8_0 is and each block's dot product taken in int8
-  (``qdecode.h``; the same activation-rounding bound as int8 prefill, below); otherwise each
+  For up to 8 rows of x (decode), on a CPU with AVX-512 VNNI or AVX2 (``HETPLAN_INT8_DECODE=0``
+  turns it off), x is quantised per block of 32 as q8_0 is and each block's dot product taken in
+  int8 (``qdecode.h``, ``qdecode_avx2.h``; the same activation-rounding bound as int8 prefill, below); otherwise each
   block of 32 weights is dequantised in registers and multiplied in fp32 (exact against the
   dequantised weights). Either reads each weight byte once per step. For more rows (prefill), on
-  a CPU with AVX-512 VNNI (``HETPLAN_INT8_PREFILL=0`` turns it off), x is quantised per block of
-  32 as q8_0 is and each block multiplied in int8 (quantising x moves an output by at most sum
+  a CPU with AVX-512 VNNI or AVX2 (``HETPLAN_INT8_PREFILL=0`` turns it off), x is quantised per
+  block of 32 as q8_0 is and each block multiplied in int8 (``qint8.h``, ``qdecode_avx2.h``) (quantising x moves an output by at most sum
   over blocks b of (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation); otherwise a
   tile of about 1 MiB of weights is dequantised into cache and multiplied by torch's GEMM.
   The kernels' parallel regions run on torch's intra-op (OpenMP) threads.
@@ -123,12 +123,18 @@ def upcast_linear(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) ->
     n, k = (w.shape[1] if transposed else w.shape[0]), x.shape[1]
     out = x.new_empty(x.shape[0], n)
     step, rows = max(1, TILE_ELEMS // max(k, 1)), upcast_rows(k, TILE_ELEMS)
+    # one fp32 tile, reused: a fresh one per tile is a large allocation the allocator may map and
+    # unmap each time, page faults and all
+    buf = torch.empty(min(step, n) * k, dtype=torch.float32, device=w.device)
     for r0 in range(0, x.shape[0], rows):
         xf = x[r0:r0 + rows].float()
         for c0 in range(0, n, step):
             c1 = min(n, c0 + step)
-            tile = w[:, c0:c1] if transposed else w[c0:c1].t()
-            out[r0:r0 + rows, c0:c1] = xf @ tile.float()
+            if transposed:   # w [K, N]: its columns c0:c1 as a [K, c1 - c0] tile
+                tile = buf[:k * (c1 - c0)].view(k, c1 - c0).copy_(w[:, c0:c1])
+            else:            # w [N, K]: rows c0:c1, multiplied transposed
+                tile = buf[:(c1 - c0) * k].view(c1 - c0, k).copy_(w[c0:c1]).t()
+            out[r0:r0 + rows, c0:c1] = xf @ tile
     return out
 
 
@@ -156,9 +162,10 @@ def _tiled(x: torch.Tensor, fmt: str, cols: int, seg: tuple) -> torch.Tensor:
 
 def int8_prefill() -> bool:
     """Whether the native kernel multiplies prefill-sized x on packed weights in int8: it was
-    built with AVX-512 VNNI (``has_int8``) and ``HETPLAN_INT8_PREFILL`` is not 0. On by default:
-    1.7-2.0x the fp32 tiles' prefill of 512 tokens on a 2-core AVX-512 EPYC (bench/RESULTS.md),
-    at the cost of the activation-rounding bound."""
+    built with AVX-512 VNNI or AVX2 (``has_int8``) and ``HETPLAN_INT8_PREFILL`` is not 0. On by
+    default: 1.7-2.0x the fp32 tiles' prefill of 512 tokens on a 2-core AVX-512 EPYC, and
+    about 2x at 64 tokens on a 2-core AVX2 EPYC (bench/RESULTS.md), at the cost of the
+    activation-rounding bound."""
     from hetplan.env import switch
     mod = native.module()
     return mod is not None and mod.has_int8() and switch("HETPLAN_INT8_PREFILL", True)
@@ -166,8 +173,9 @@ def int8_prefill() -> bool:
 
 def int8_decode() -> bool:
     """Whether the native kernel multiplies decode-sized x (up to ``SMALL_M`` rows) on packed
-    weights in int8: it was built with AVX-512 VNNI and ``HETPLAN_INT8_DECODE`` is not 0. On by
-    default: 2-4x the fp32 kernel's throughput for the 4-bit formats, 1.6-1.9x for q8_0 / int8
+    weights in int8: it was built with AVX-512 VNNI or AVX2 (``has_int8``) and
+    ``HETPLAN_INT8_DECODE`` is not 0. On by default: 2-4x the fp32 kernel's throughput for the
+    4-bit formats, 1.6-1.9x for q8_0 / int8 with VNNI, 2.3-3.2x and 1.4-1.7x with AVX2
     (``bench/quant_kernels.py``), at the cost of the activation-rounding bound."""
     from hetplan.env import switch
     mod = native.module()

@@ -5,7 +5,7 @@ For tiny llama and gpt2 models (fp32 checkpoints) the run's logits equal transfo
 the weights the packed bytes hold, decoded by ``tests.exec.quant_spec`` from the format
 definitions (embedding tables rounded to fp16, the rest untouched): within 1e-4 of the logits'
 scale (fp32 arithmetic in both, the kernels accumulating per block of 32; x multiplied in
-int8 is ``test_int8_prefill``'s, with its activation-rounding bound), and greedy tokens agree; the quantisation error against the fp32 model is within a bound per format; the emulated
+int8 is ``test_int8_kernels``'s, with its activation-rounding bound), and greedy tokens agree; the quantisation error against the fp32 model is within a bound per format; the emulated
 GPU holds no more than the plan plus emulation's fp32 activations. A q4_k_m plan mixing GPU,
 streamed and CPU blocks runs too. The formats and kernels themselves are
 ``test_quant_kernels``'s, quantised MoE plans ``tests.moe``'s, quantised KV caches
@@ -94,7 +94,7 @@ def dequantised_model(model, spec, fmt):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_logits_match_transformers_with_dequantised_weights(monkeypatch, setup, family, fmt):
-    """The fp32 kernels (x multiplied in int8 has its own bound: ``test_int8_prefill``)."""
+    """The fp32 kernels (x multiplied in int8 has its own bound: ``test_int8_kernels``)."""
     monkeypatch.setenv("HETPLAN_INT8_DECODE", "0")
     monkeypatch.setenv("HETPLAN_INT8_PREFILL", "0")
     d, models = setup

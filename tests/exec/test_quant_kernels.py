@@ -106,7 +106,7 @@ def assert_close(got: torch.Tensor, ref: np.ndarray, x: torch.Tensor, w: torch.T
 
 @pytest.fixture(params=["native", "torch"])
 def path(request, monkeypatch):
-    """The fp32 paths (x multiplied in int8 is ``test_int8_prefill``'s, with its own bound)."""
+    """The fp32 paths (x multiplied in int8 is ``test_int8_kernels``'s, with its own bound)."""
     monkeypatch.setenv("HETPLAN_INT8_PREFILL", "0")
     monkeypatch.setenv("HETPLAN_INT8_DECODE", "0")
     if request.param == "native":

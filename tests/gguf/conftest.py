@@ -16,6 +16,6 @@ def node(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def fp32_activations(monkeypatch):
     """The GGUF logits are held to 1e-4 of transformers on the dequantised weights: x multiplied
-    in fp32 (the int8-activation decode kernel has its own bound, ``tests/exec/test_int8_prefill``)."""
+    in fp32 (the int8-activation decode kernel has its own bound, ``tests/exec/test_int8_kernels``)."""
     monkeypatch.setenv("HETPLAN_INT8_DECODE", "0")
     monkeypatch.setenv("HETPLAN_INT8_PREFILL", "0")

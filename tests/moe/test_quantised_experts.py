@@ -138,7 +138,7 @@ def moe_model(request, tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_quantised_moe_plan_matches_transformers_with_dequantised_weights_within_its_memory(
         monkeypatch, moe_model, node, tmp_path, fmt):
-    monkeypatch.setenv("HETPLAN_INT8_DECODE", "0")   # x in fp32: held to 1e-4 (int8 x: test_int8_prefill)
+    monkeypatch.setenv("HETPLAN_INT8_DECODE", "0")   # x in fp32: held to 1e-4 (int8 x: test_int8_kernels)
     monkeypatch.setenv("HETPLAN_INT8_PREFILL", "0")
     family, model_dir = moe_model
     plan = _plan(model_dir, node, "all-gpu", fmt)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("qint8.h", "qdecode.h", "smallops.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("qint8.h", "qdecode.h", "qdecode_avx2.h", "smallops.h"))
 """Files ``SOURCE`` includes: part of the build key, copied beside it."""
 NAME = "hetplan_qmatmul"
 BUILD_SCHEME = b"source copied into the build directory; OpenMP"

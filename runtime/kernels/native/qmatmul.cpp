@@ -316,6 +316,7 @@ inline float hsum8(__m256 v) {
 
 #include "qint8.h"
 #include "qdecode.h"
+#include "qdecode_avx2.h"
 #include "smallops.h"
 
 // Rows [n0, n1) of y for M rows of x (padded to Kp): FMT and M known at compile time, so the
@@ -471,7 +472,7 @@ void dequantise(int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, int64_
 }
 
 bool has_int8() {
-#ifdef HETPLAN_VNNI
+#if defined(HETPLAN_VNNI) || defined(HETPLAN_INT8_AVX2)
   return true;
 #else
   return false;
@@ -479,9 +480,9 @@ bool has_int8() {
 }
 
 // x [M, K] fp32 -> y [M, N] fp32 with W (format fmt, arrays parts, N rows of K values); for
-// M <= SMALL_M and a quantised format, int8 = true multiplies in int8 where has_int8() (x
-// quantised per block of 32, qdecode.h); for M > SMALL_M likewise (qint8.h); the fp32 paths
-// run otherwise.
+// a quantised format, int8 = true multiplies in int8 where has_int8() (x quantised per block of
+// 32: with VNNI qdecode.h for M <= SMALL_M and qint8.h beyond, with AVX2 qdecode_avx2.h); the
+// fp32 paths run otherwise.
 torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<std::vector<torch::Tensor>> segments,
                          bool int8);
 
@@ -510,9 +511,13 @@ torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<st
   if (M == 0 || N == 0) return y;
   torch::Tensor xc = x.contiguous();
   if (M <= SMALL_M) {
-#ifdef HETPLAN_VNNI
+#if defined(HETPLAN_VNNI) || defined(HETPLAN_INT8_AVX2)
     if (int8 && fmt <= Q4_K_M) {
+#ifdef HETPLAN_VNNI
       vnni_decode(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+#else
+      avx2_int8(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+#endif
       return y;
     }
 #endif
@@ -520,9 +525,13 @@ torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<st
     direct(segs, xc.data_ptr<float>(), M, N, Kp, y.data_ptr<float>());
     return y;
   }
-#ifdef HETPLAN_VNNI
+#if defined(HETPLAN_VNNI) || defined(HETPLAN_INT8_AVX2)
   if (int8 && fmt <= Q4_K_M) {   // every segment in one call: x quantised once
+#ifdef HETPLAN_VNNI
     int8_matmul(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+#else
+    avx2_int8(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+#endif
     return y;
   }
 #endif
@@ -558,7 +567,7 @@ int64_t parallel_threads(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "y = x @ W^T, W packed (format id, K, row arrays, int8)");
   m.def("matmul_cat", &matmul_cat, "y = x @ [W_1; W_2; ...]^T, each W packed (format id, K, row arrays of each, int8)");
-  m.def("has_int8", &has_int8, "whether prefill can multiply in int8 (AVX-512 VNNI)");
+  m.def("has_int8", &has_int8, "whether the quantised formats can multiply x in int8 (AVX-512 VNNI or AVX2)");
   m.def("dequantise", &dequantise, "rows [n0, n1) of a packed W into an fp32 tensor");
   m.def("parallel_threads", &parallel_threads, "threads one parallel region of this library runs on");
   m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)).to(dtype) over the last dim");

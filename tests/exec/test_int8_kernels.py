@@ -1,5 +1,6 @@
-"""Packed weights multiplied with x in int8 (the native kernel on a CPU with AVX-512 VNNI):
-prefill (more than 8 rows of x, ``qint8.h``) and decode (up to 8 rows, ``qdecode.h``).
+"""Packed weights multiplied with x in int8 by the native kernel: with AVX-512 VNNI prefill (more
+than 8 rows of x, ``qint8.h``) and decode (up to 8 rows, ``qdecode.h``), with AVX2 both in
+``qdecode_avx2.h`` (decode streaming each weight row once, prefill a panel of rows at a time).
 
 The oracle is x @ decode(bytes)^T in float64, the weights decoded by ``tests.exec.quant_spec``
 from the format definitions. Quantising x per block of 32 as q8_0 does (dx = max|x_b| / 127,
@@ -7,10 +8,10 @@ qx = round(x / dx)) moves x by at most dx / 2 per value, so each output may move
 sum over blocks b of (max|x_b| / 254) * sum_{k in b} |w_k| (derived here, not taken from the
 kernel), plus fp32 accumulation (1e-5 of sum |x||w|). Where x is already exact in that grid
 (integers in a block whose largest magnitude is 127, times a power of two) nothing may move but
-fp32 accumulation. The prefill path is on by default (``HETPLAN_INT8_PREFILL``); with ``0`` (as on a CPU without
-VNNI) the fp32 tile path runs and meets the fp32 bound alone. The decode path is on by default (``HETPLAN_INT8_DECODE``); with ``0`` the fp32 kernel
-runs (``test_quant_kernels``, exact against the dequantised weights).
-"""
+fp32 accumulation. The prefill path is on by default (``HETPLAN_INT8_PREFILL``); with ``0`` (as
+on a CPU without VNNI) the fp32 tile path runs and meets the fp32 bound alone. The decode path
+is on by default (``HETPLAN_INT8_DECODE``); with ``0`` the fp32 kernel runs
+(``test_quant_kernels``, exact against the dequantised weights)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ SHAPES = [(7, 33), (40, 100), (33, 300), (64, 512), (5, 17), (19, 520), (21, 100
 def int8(monkeypatch):
     mod = native.module()
     if mod is None or not mod.has_int8():
-        pytest.skip("no int8 prefill kernel here (needs the native kernel built with AVX-512 VNNI)")
+        pytest.skip("no int8 kernel here (needs the native kernel built with AVX-512 VNNI or AVX2)")
     monkeypatch.setenv("HETPLAN_INT8_PREFILL", "1")
     monkeypatch.setenv("HETPLAN_INT8_DECODE", "1")
     assert klinear.int8_prefill() and klinear.int8_decode()
