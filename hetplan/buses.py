@@ -60,6 +60,8 @@ def demand(task) -> float:
 
 def rates(running, caps: dict | None) -> dict:
     """task id -> rho_i for the tasks ``running`` (module docstring); ``caps`` None: all 1."""
+    if caps is None or _within(running, caps):   # no bus oversubscribed: every task at its demand
+        return {t.id: 1.0 for t in running}
     want = {t.id: demand(t) for t in running}
     rate = {t.id: 0.0 for t in running}
     buses = {t.id: [x for x in BUSES_OF[t.resource] if caps is not None and x in caps] for t in running}
@@ -78,6 +80,19 @@ def rates(running, caps: dict | None) -> dict:
         rising = [tid for tid in rising
                   if rate[tid] < want[tid] * (1 - _DONE) and not any(x in full for x in buses[tid])]
     return {tid: (min(1.0, rate[tid] / want[tid]) if want[tid] > 0 and buses[tid] else 1.0) for tid in want}
+
+
+def _within(running, caps: dict) -> bool:
+    """Whether the demands on every bus sum to at most its capacity (the progressive filling then
+    stops every task at its demand)."""
+    load = dict.fromkeys(caps, 0.0)
+    for t in running:
+        a = demand(t)
+        if a > 0:
+            for x in BUSES_OF[t.resource]:
+                if x in load:
+                    load[x] += a
+    return all(load[x] <= caps[x] for x in caps)
 
 
 def fluid_times(tasks, edges, caps: dict | None) -> dict:

@@ -279,6 +279,7 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
     solve.lower_bound = lower_bound
     if req.stage_memo is not None:
         solve.memo = req.stage_memo.setdefault((strategy, arg, moe_stages), {})
+        solve.shared_memo = req.stage_memo   # what holds for every strategy (the StageBounds)
     return solve
 
 

@@ -92,7 +92,7 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     while True:
         optimistic = {s: price.get(keys[s], max(bound[s], refined.get(keys[s], bound[s]))) for s in every}
         if monotone:
-            _raise_to_contained(optimistic, {s for s in every if keys[s] in price}, L, K)
+            _raise_to_contained(optimistic, {s for s in every if keys[s] in price or keys[s] in refined}, L, K)
         cost, stages = _cheapest(optimistic, links, L, K, objective)
         if not stages:
             return None

@@ -193,7 +193,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     kind = [machines.index(m) for m in machines]  # equal devices share prices
     copies = micro_batch_count(objective, len(devices))
     key = _stage_key(spec, machines)
-    plans, bounds = _memos(solve_stage, spec, wl)
+    plans, bounds, stage_bounds = _memos(solve_stage, spec, wl)
 
     def stage_plan(k, a, b, n_kv=None):
         n_kv = copies if n_kv is None else n_kv
@@ -201,7 +201,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
             plans[key(k, a, b), n_kv] = solve_stage(device_problem(spec, machines[k], wl, a, b, n_kv))
         return plans[key(k, a, b), n_kv]
 
-    seconds, lower, link = _pricing(spec, topo, wl, objective, machines, kind)
+    seconds, lower, link = _pricing(spec, topo, wl, objective, machines, stage_bounds)
     cheap = getattr(solve_stage, "lower_bound", None)
 
     def refine(k, a, b):   # the stage's objective is the DP's seconds only under ``sum``
@@ -233,28 +233,40 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     return pp
 
 
-def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "sum") -> float:
+def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "sum",
+                         stage_bounds: dict | None = None) -> float:
     """A lower bound on ``objective_s`` of the pipeline ``plan_pipeline`` returns for the same
     arguments, whatever its split, KV copies or single device alone, with no stage solved: the
-    stage DP over the stages' lower bounds (``StageBound``, ``split_lower_bound``)."""
+    stage DP over the stages' lower bounds (``StageBound``, ``split_lower_bound``).
+    ``stage_bounds``: the ``StageBound`` of each device description for this model and workload,
+    kept for the next call (a caller bounding several device groups of one machine; None: this
+    call's own)."""
     from hetplan.solvers.pipeline import split_lower_bound
 
     topo = Topology.of(hw)
     machines = [topo.device_hw(d) for d in topo.devices]
-    kind = [machines.index(m) for m in machines]
-    _, lower, link = _pricing(spec, topo, wl, objective, machines, kind)
+    _, lower, link = _pricing(spec, topo, wl, objective, machines, {} if stage_bounds is None else stage_bounds)
     return split_lower_bound(spec.n_layers, len(machines), link, objective, lower, _stage_key(spec, machines))
 
 
 def _memos(solve_stage, spec: ModelSpec, wl: Workload) -> tuple:
-    """(plans, refined bounds) of stages, by stage key (``_stage_key``): dicts of this search
-    alone, or, where ``solve_stage`` carries a ``memo`` (``stage_solver``'s, shared by the
-    candidates of one ``compile --serve``), its entries for this model and workload."""
+    """(plans, refined bounds) of stages, by stage key (``_stage_key``), and the ``StageBound``
+    of each device description: dicts of this search alone, or, where ``solve_stage`` carries a
+    ``memo`` (``stage_solver``'s, shared by the candidates of one ``compile --serve``), its
+    entries for this model and workload (the StageBounds in its ``shared_memo``, which every
+    strategy and ``ThroughputBound`` read: they bound any plan)."""
     memo = getattr(solve_stage, "memo", None)
     if memo is None:
-        return {}, {}
+        return {}, {}, {}
     scope = (json.dumps(spec.to_dict(), sort_keys=True), wl)
-    return memo.setdefault(("plans", *scope), {}), memo.setdefault(("bounds", *scope), {})
+    return (memo.setdefault(("plans", *scope), {}), memo.setdefault(("bounds", *scope), {}),
+            stage_bounds_memo(getattr(solve_stage, "shared_memo", memo), spec, wl))
+
+
+def stage_bounds_memo(memo: dict, spec: ModelSpec, wl: Workload) -> dict:
+    """``memo``'s ``StageBound`` per device description for this model and workload (the
+    ``stage_bounds`` of ``pipeline_lower_bound``)."""
+    return memo.setdefault(("stage_bounds", json.dumps(spec.to_dict(), sort_keys=True), wl), {})
 
 
 def _stage_key(spec: ModelSpec, machines: list):
@@ -268,13 +280,15 @@ def _stage_key(spec: ModelSpec, machines: list):
     return key
 
 
-def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, machines: list, kind: list) -> tuple:
+def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, machines: list,
+             bounds: dict) -> tuple:
     """(seconds, lower, link) of the stage DP: ``seconds(ttft, tpot)``, what the objective
     minimises of a stage or a link (the throughput objective: its decode time, the interval the
     slowest one sets); ``lower(k, a, b)``, a lower bound on the seconds of layers ``[a, b)`` on
-    device ``k`` (one ``StageBound`` per kind of device); ``link(j, k)``, the hop's seconds."""
+    device ``k`` (one ``StageBound`` per device description, kept in ``bounds``: built once for
+    the model and workload); ``link(j, k)``, the hop's seconds."""
     devices = topo.devices
-    bounds: dict = {}
+    described = [json.dumps(m.to_dict(), sort_keys=True) for m in machines]
 
     def seconds(pred_ttft: float, pred_tpot: float) -> float:
         if objective == "max":
@@ -282,9 +296,9 @@ def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, mach
         return {"ttft": pred_ttft, "tpot": pred_tpot}.get(wl.objective, pred_ttft + wl.gen_len * pred_tpot)
 
     def lower(k, a, b):
-        if kind[k] not in bounds:
-            bounds[kind[k]] = StageBound(spec, machines[k], wl)
-        return seconds(*bounds[kind[k]](a, b))
+        if described[k] not in bounds:
+            bounds[described[k]] = StageBound(spec, machines[k], wl)
+        return seconds(*bounds[described[k]](a, b))
 
     def link(j, k):
         return seconds(*(topo.hop(devices[j], devices[k], hidden_bytes(spec, wl, ph))[1]

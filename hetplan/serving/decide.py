@@ -116,21 +116,23 @@ class ThroughputBound:
     of the model and group ``compile_plan`` would plan (``--weight-dtype auto`` resolved over the
     whole machine at that batch, as ``compile_pipeline`` resolves it)."""
 
-    def __init__(self, req: CompileRequest, topo: Topology):
+    def __init__(self, req: CompileRequest, topo: Topology, memo: dict | None = None):
         from hetplan.compiler import load_inputs
 
         self.req, self.topo = req, topo
         self.spec = load_inputs(dataclasses.replace(req, notes=[]))[0]
         self._at = {}   # batch -> (model, workload): the same for every replica count
+        self.memo = {} if memo is None else memo   # the candidates' stage memo (``_memos``'s keys)
 
     def __call__(self, r: int, b: int) -> float:
         """``r`` among ``replica_counts`` (a group exists), or 1."""
-        from hetplan.pipeline.plan import pipeline_lower_bound
+        from hetplan.pipeline.plan import pipeline_lower_bound, stage_bounds_memo
         from hetplan.pipeline.replicas import first_group
 
         spec, wl = self._model_at(b)
         group = self.topo if r == 1 else first_group(self.topo, r)
-        seconds = pipeline_lower_bound(spec, group, wl, "sum")
+        # the groups of one machine share their devices' StageBounds, and the candidates' searches reuse them
+        seconds = pipeline_lower_bound(spec, group, wl, "sum", stage_bounds_memo(self.memo, spec, wl))
         return r * b * wl.gen_len / seconds if seconds > 0 else math.inf
 
     def _model_at(self, b: int) -> tuple:
@@ -156,12 +158,12 @@ def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
     options, batches = replica_options(req), batches_up_to(sreq.max_batch)
     order = [(1, b) for b in batches]
     bound = {}
+    memo: dict = {}   # stages bounded and priced by one candidate, for the others
     if len(options) > 1:
-        upper = ThroughputBound(req, Topology.of(load_machine(req)))
+        upper = ThroughputBound(req, Topology.of(load_machine(req)), memo)
         bound = {(r, b): upper(r, b) for r in options for b in batches}
         order = sorted(bound, key=lambda rb: (-bound[rb], rb))
     searches, solve_s, too_big, failure, best = {}, 0.0, {}, None, 0.0
-    memo: dict = {}   # stages priced by one candidate, for the others
     for r, b in order:
         if b >= too_big.get(r, math.inf) or bound.get((r, b), math.inf) * (1 + BOUND_ROUNDING) < best:
             continue

@@ -154,3 +154,32 @@ def test_the_bounded_search_chooses_what_compiling_every_candidate_chooses(monke
     assert len(compiled) < len(every)   # the bound spared some compiles
     if tight:
         assert len(found) < len(every)
+
+
+def test_a_serving_search_builds_each_stage_bound_once(monkeypatch, files):
+    """``ThroughputBound`` over every replica count and the candidates' own stage searches share
+    one ``StageBound`` per (model, workload, device description): none is built twice, and the
+    plan's pipeline is the one its candidate compiled alone (no memo) has."""
+    import dataclasses
+    import json
+
+    from hetplan.pipeline import plan as pipeline_plan
+    from hetplan.serving.decide import replicas_of as decide_replicas
+
+    real = pipeline_plan.StageBound
+    built = []
+
+    def counted(spec, hw, wl):
+        built.append((json.dumps(spec.to_dict(), sort_keys=True), json.dumps(hw.to_dict(), sort_keys=True), wl))
+        return real(spec, hw, wl)
+    req = request(files, "four", gpu_mem="1MiB")   # no GPU holds the model: pipelines of several stages
+    sreq = ServingRequest(max_batch=8, max_context=128)
+    alone, _ = compile_serving(req, sreq)
+    monkeypatch.setattr(pipeline_plan, "StageBound", counted)
+    plan, _ = compile_serving(req, sreq)
+    assert len(built) > 1 and len(set(built)) == len(built)
+    assert {wl.batch for _, _, wl in built} == set(range(1, 9)) & {1, 2, 4, 8}
+    assert plan.pipeline == alone.pipeline and plan.serving == alone.serving
+    one = dataclasses.replace(req, batch=plan.workload.batch, objective="latency",
+                              replicas=decide_replicas(plan), notes=[])
+    assert compile_plan(one)[0].pipeline["predicted"] == plan.pipeline["predicted"]

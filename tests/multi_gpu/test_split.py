@@ -256,3 +256,25 @@ def test_the_split_lower_bound_is_brute_force_over_the_bounds(seed, objective):
     assert got <= brute_force(L, K, stage, link, objective) * (1 + 1e-12)
     assert split_lower_bound(L, K, link, objective, stage) == pytest.approx(brute_force(L, K, stage, link, objective),
                                                                             rel=1e-12)
+
+
+def test_a_refined_bound_raises_the_stages_that_contain_it():
+    """Refined to its price, a stage bounds every stage containing it on the same GPU (prices
+    never fall as a stage grows): the search refines fewer stages than without that (``monotone``
+    off), and prices only the optimum's. The flat case of the test before: every split from
+    15/25 to 25/15 costs the same."""
+    def stage(k, a, b):
+        return math.inf if b - a > 25 else float(b - a)
+
+    counts = {}
+    for monotone in (True, False):
+        refined = []
+
+        def refine(k, a, b):
+            refined.append((k, a, b))
+            return stage(k, a, b)
+        split = best_split(40, 2, stage, lambda j, k: 0.25, "sum", lambda k, a, b: 0.5 * (b - a),
+                           monotone=monotone, refine=refine)
+        assert split.cost_s == pytest.approx(40.25) and split.priced == len(split.stages)
+        counts[monotone] = len(refined)
+    assert counts[True] < counts[False]
