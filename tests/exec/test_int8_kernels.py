@@ -117,27 +117,35 @@ def test_int8_of_fused_linears(int8, fmt, m):
     assert (np.abs(got - xd @ wd.T) <= rounding_bound(xd, wd) + fp32_bound(xd, wd)).all()
 
 
+def run_tiny_llama(tmp_path, fmt: str, prompt_len: int, gen_len: int) -> tuple:
+    """A tiny llama's plan (``fmt`` weights, on the emulated GPU) run on tokens 3, 4, ... ->
+    (the prompt, the run's result, transformers on the weights the packed bytes hold)."""
+    from hetplan.compiler import CompileRequest, compile_plan
+    from hetplan.runtime.session import RunOptions, run_plan
+    from tests.exec.test_numerics import GPU_NODE, save_tiny_model
+    from tests.exec.test_quant import dequantised_model
+    model = save_tiny_model("llama", tmp_path / "llama")
+    (tmp_path / "gpu.yaml").write_text(GPU_NODE)
+    prompt = (tuple(range(3, 3 + prompt_len)),)
+    plan = compile_plan(CompileRequest(model=str(tmp_path / "llama"), hw=str(tmp_path / "gpu.yaml"),
+                                       strategy="all-gpu", weight_dtype=fmt, kv_dtype="fp32",
+                                       prompt_len=prompt_len, gen_len=gen_len))[0]
+    result = run_plan(plan, RunOptions(weights=str(tmp_path / "llama"), prompt_ids=prompt, gen_len=gen_len,
+                                       keep_logits=True, emulate=True))
+    return prompt, result, dequantised_model(model, plan.model, fmt)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_prefill_logits_within_activation_rounding_of_transformers(int8, tmp_path, fmt):
     """A 16-token prompt (prefill M = 16: the int8 path) against transformers on the weights the
     packed bytes hold. Rounding x per block as q8_0 rounds weights moves the logits by about as
     much as q8_0 weights do: within ``test_quant``'s q8_0 bound of the logits' norm."""
-    from hetplan.compiler import CompileRequest, compile_plan
-    from hetplan.runtime.session import RunOptions, run_plan
-    from tests.exec.test_numerics import GPU_NODE, save_tiny_model
-    from tests.exec.test_quant import QUANTISATION_ERROR, dequantised_model
-    model = save_tiny_model("llama", tmp_path / "llama")
-    (tmp_path / "gpu.yaml").write_text(GPU_NODE)
-    prompt = (tuple(range(3, 19)),)
-    plan = compile_plan(CompileRequest(model=str(tmp_path / "llama"), hw=str(tmp_path / "gpu.yaml"),
-                                       strategy="all-gpu", weight_dtype=fmt, kv_dtype="fp32",
-                                       prompt_len=16, gen_len=1))[0]
-    result = run_plan(plan, RunOptions(weights=str(tmp_path / "llama"), prompt_ids=prompt, gen_len=1,
-                                       keep_logits=True, emulate=True))
+    from tests.exec.test_quant import QUANTISATION_ERROR
+    prompt, result, ref = run_tiny_llama(tmp_path, fmt, 16, 1)
     with torch.no_grad():
-        ref = dequantised_model(model, plan.model, fmt)(torch.tensor(prompt)).logits[:, -1]
+        want = ref(torch.tensor(prompt)).logits[:, -1]
     got = result.logits[0]
-    rel = ((got - ref).norm() / ref.norm()).item()
+    rel = ((got - want).norm() / want.norm()).item()
     assert 0 < rel < QUANTISATION_ERROR["q8_0"]
 
 
@@ -149,19 +157,8 @@ def test_decode_logits_within_activation_rounding_of_transformers(int8, tmp_path
     per-block rounding as q8_0 weights do, which ``test_quant``'s q8_0 bound covers for one
     step; a decode step also attends over the keys and values of earlier positions, each
     computed from rounded activations, so the bound is doubled (measured 1.7-4.5 % here)."""
-    from hetplan.compiler import CompileRequest, compile_plan
-    from hetplan.runtime.session import RunOptions, run_plan
-    from tests.exec.test_numerics import GPU_NODE, save_tiny_model
-    from tests.exec.test_quant import QUANTISATION_ERROR, dequantised_model
-    model = save_tiny_model("llama", tmp_path / "llama")
-    (tmp_path / "gpu.yaml").write_text(GPU_NODE)
-    prompt = (tuple(range(3, 11)),)
-    plan = compile_plan(CompileRequest(model=str(tmp_path / "llama"), hw=str(tmp_path / "gpu.yaml"),
-                                       strategy="all-gpu", weight_dtype=fmt, kv_dtype="fp32",
-                                       prompt_len=8, gen_len=8))[0]
-    result = run_plan(plan, RunOptions(weights=str(tmp_path / "llama"), prompt_ids=prompt, gen_len=8,
-                                       keep_logits=True, emulate=True))
-    ref = dequantised_model(model, plan.model, fmt)
+    from tests.exec.test_quant import QUANTISATION_ERROR
+    prompt, result, ref = run_tiny_llama(tmp_path, fmt, 8, 8)
     ids = torch.tensor([prompt[0] + tuple(result.tokens[0][:-1])])   # teacher-forced on hetplan's tokens
     with torch.no_grad():
         steps = ref(ids).logits[0, 7:]                                # [8, V]: the logits of each step

@@ -218,16 +218,7 @@ void vnni_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N
     over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
       const Rows& r = g.r;
       float* yg = y + g.off;
-      switch (M) {
-        case 1: return vnni_rows<FMT, 1>(r, q, yg, N, n0, n1);
-        case 2: return vnni_rows<FMT, 2>(r, q, yg, N, n0, n1);
-        case 3: return vnni_rows<FMT, 3>(r, q, yg, N, n0, n1);
-        case 4: return vnni_rows<FMT, 4>(r, q, yg, N, n0, n1);
-        case 5: return vnni_rows<FMT, 5>(r, q, yg, N, n0, n1);
-        case 6: return vnni_rows<FMT, 6>(r, q, yg, N, n0, n1);
-        case 7: return vnni_rows<FMT, 7>(r, q, yg, N, n0, n1);
-        default: return vnni_rows<FMT, 8>(r, q, yg, N, n0, n1);
-      }
+      with_rows(M, [&](auto m) { vnni_rows<FMT, decltype(m)::value>(r, q, yg, N, n0, n1); });
     });
   });
 }
@@ -235,12 +226,6 @@ void vnni_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N
 // y [M, N] = x [M, K] @ W^T for M <= SMALL_M over the segments' rows, x quantised once per
 // block (see above); x contiguous fp32.
 inline void vnni_decode(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
-  switch (segs[0].r.fmt) {
-    case Q8_0: return vnni_fmt<Q8_0>(segs, x, M, N, y);
-    case Q4_0: return vnni_fmt<Q4_0>(segs, x, M, N, y);
-    case INT8: return vnni_fmt<INT8>(segs, x, M, N, y);
-    case INT4: return vnni_fmt<INT4>(segs, x, M, N, y);
-    default: return vnni_fmt<Q4_K_M>(segs, x, M, N, y);
-  }
+  with_quantised(segs[0].r.fmt, [&](auto fmt) { vnni_fmt<decltype(fmt)::value>(segs, x, M, N, y); });
 }
 #endif

@@ -205,16 +205,7 @@ void avx2_rows(const Rows& r, const XQ& q, int64_t m0, float* y, int64_t ldy, in
 
 template <int FMT, bool STREAM>
 void avx2_group(const Rows& r, const XQ& q, int64_t m0, int64_t rows, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  switch (rows) {
-    case 1: return avx2_rows<FMT, 1, STREAM>(r, q, m0, y, ldy, n0, n1);
-    case 2: return avx2_rows<FMT, 2, STREAM>(r, q, m0, y, ldy, n0, n1);
-    case 3: return avx2_rows<FMT, 3, STREAM>(r, q, m0, y, ldy, n0, n1);
-    case 4: return avx2_rows<FMT, 4, STREAM>(r, q, m0, y, ldy, n0, n1);
-    case 5: return avx2_rows<FMT, 5, STREAM>(r, q, m0, y, ldy, n0, n1);
-    case 6: return avx2_rows<FMT, 6, STREAM>(r, q, m0, y, ldy, n0, n1);
-    case 7: return avx2_rows<FMT, 7, STREAM>(r, q, m0, y, ldy, n0, n1);
-    default: return avx2_rows<FMT, 8, STREAM>(r, q, m0, y, ldy, n0, n1);
-  }
+  with_rows(rows, [&](auto m) { avx2_rows<FMT, decltype(m)::value, STREAM>(r, q, m0, y, ldy, n0, n1); });
 }
 
 constexpr int64_t PREFILL_ROWS = 4;    // rows of x a prefill pass multiplies with a panel of weight rows
@@ -240,12 +231,6 @@ void avx2_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N
 // y [M, N] = x [M, K] @ W^T over the segments' rows, x quantised once per block (see above);
 // x contiguous fp32.
 inline void avx2_int8(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
-  switch (segs[0].r.fmt) {
-    case Q8_0: return avx2_fmt<Q8_0>(segs, x, M, N, y);
-    case Q4_0: return avx2_fmt<Q4_0>(segs, x, M, N, y);
-    case INT8: return avx2_fmt<INT8>(segs, x, M, N, y);
-    case INT4: return avx2_fmt<INT4>(segs, x, M, N, y);
-    default: return avx2_fmt<Q4_K_M>(segs, x, M, N, y);
-  }
+  with_quantised(segs[0].r.fmt, [&](auto fmt) { avx2_fmt<decltype(fmt)::value>(segs, x, M, N, y); });
 }
 #endif

@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #define HETPLAN_AVX2 1
 #endif
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -152,6 +153,35 @@ Rows rows_of(int64_t fmt, int64_t K, const std::vector<torch::Tensor>& parts) {
 }
 
 constexpr int64_t SMALL_M = 8;   // rows of x up to which the direct kernel runs
+
+// f(std::integral_constant<int, fmt>{}) for a quantised format: the kernels' format as a
+// compile-time constant.
+template <class F>
+inline void with_quantised(int fmt, F f) {
+  switch (fmt) {
+    case Q8_0: return f(std::integral_constant<int, Q8_0>{});
+    case Q4_0: return f(std::integral_constant<int, Q4_0>{});
+    case INT8: return f(std::integral_constant<int, INT8>{});
+    case INT4: return f(std::integral_constant<int, INT4>{});
+    default: return f(std::integral_constant<int, Q4_K_M>{});
+  }
+}
+
+// f(std::integral_constant<int, m>{}) for m = rows in 1..SMALL_M (more: SMALL_M): the kernels'
+// row count as a compile-time constant, so that their accumulators stay in registers.
+template <class F>
+inline void with_rows(int64_t rows, F f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
 
 struct Seg {                      // one linear of a fused weight: its rows, at columns [off, off + n) of y
   Rows r;
@@ -421,16 +451,7 @@ void direct_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t
     over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
       const Rows& r = g.r;
       float* yg = y + g.off;
-      switch (M) {
-        case 1: return direct_rows<FMT, 1>(r, x, Kp, yg, N, n0, n1);
-        case 2: return direct_rows<FMT, 2>(r, x, Kp, yg, N, n0, n1);
-        case 3: return direct_rows<FMT, 3>(r, x, Kp, yg, N, n0, n1);
-        case 4: return direct_rows<FMT, 4>(r, x, Kp, yg, N, n0, n1);
-        case 5: return direct_rows<FMT, 5>(r, x, Kp, yg, N, n0, n1);
-        case 6: return direct_rows<FMT, 6>(r, x, Kp, yg, N, n0, n1);
-        case 7: return direct_rows<FMT, 7>(r, x, Kp, yg, N, n0, n1);
-        default: return direct_rows<FMT, 8>(r, x, Kp, yg, N, n0, n1);
-      }
+      with_rows(M, [&](auto m) { direct_rows<FMT, decltype(m)::value>(r, x, Kp, yg, N, n0, n1); });
     });
   });
 }
