@@ -64,7 +64,7 @@ def rates(running, caps: dict | None) -> dict:
         return {t.id: 1.0 for t in running}
     want = {t.id: demand(t) for t in running}
     rate = {t.id: 0.0 for t in running}
-    buses = {t.id: [x for x in BUSES_OF[t.resource] if caps is not None and x in caps] for t in running}
+    buses = {t.id: [x for x in BUSES_OF[t.resource] if x in caps] for t in running}
     rising = [tid for tid in want if want[tid] > 0 and buses[tid]]  # a list: sums in a fixed order
     while rising:
         room = {}

@@ -269,11 +269,16 @@ def stage_bounds_memo(memo: dict, spec: ModelSpec, wl: Workload) -> dict:
     return memo.setdefault(("stage_bounds", json.dumps(spec.to_dict(), sort_keys=True), wl), {})
 
 
+def _described(machines: list) -> list:
+    """Each device as described (its machine's JSON): what equal devices share, in a key."""
+    return [json.dumps(m.to_dict(), sort_keys=True) for m in machines]
+
+
 def _stage_key(spec: ModelSpec, machines: list):
     """``key(k, a, b)`` of the stage DP: stages with equal keys cost the same (the same device, as
     described, as many layers, holding the embedding or the head alike, as many dense layers)."""
     L = spec.n_layers
-    device = [json.dumps(m.to_dict(), sort_keys=True) for m in machines]
+    device = _described(machines)
 
     def key(k, a, b):
         return device[k], b - a, a == 0, b == L, min(b - a, max(0, spec.first_dense_layers - a))
@@ -288,7 +293,7 @@ def _pricing(spec: ModelSpec, topo: Topology, wl: Workload, objective: str, mach
     device ``k`` (one ``StageBound`` per device description, kept in ``bounds``: built once for
     the model and workload); ``link(j, k)``, the hop's seconds."""
     devices = topo.devices
-    described = [json.dumps(m.to_dict(), sort_keys=True) for m in machines]
+    described = _described(machines)
 
     def seconds(pred_ttft: float, pred_tpot: float) -> float:
         if objective == "max":

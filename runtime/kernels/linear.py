@@ -8,11 +8,12 @@ it runs:
 - a packed weight on the CPU: the native kernel (``native``), which reads the packed bytes.
   For up to 8 rows of x (decode), on a CPU with AVX-512 VNNI or AVX2 (``HETPLAN_INT8_DECODE=0``
   turns it off), x is quantised per block of 32 as q8_0 is and each block's dot product taken in
-  int8 (``qdecode.h``, ``qdecode_avx2.h``; the same activation-rounding bound as int8 prefill, below); otherwise each
-  block of 32 weights is dequantised in registers and multiplied in fp32 (exact against the
-  dequantised weights). Either reads each weight byte once per step. For more rows (prefill), on
-  a CPU with AVX-512 VNNI or AVX2 (``HETPLAN_INT8_PREFILL=0`` turns it off), x is quantised per
-  block of 32 as q8_0 is and each block multiplied in int8 (``qint8.h``, ``qdecode_avx2.h``) (quantising x moves an output by at most sum
+  int8 (``qdecode.h``, ``qdecode_avx2.h``; the same activation-rounding bound as int8 prefill,
+  below); otherwise each block of 32 weights is dequantised in registers and multiplied in fp32
+  (exact against the dequantised weights). Either reads each weight byte once per step. For more
+  rows (prefill), on a CPU with AVX-512 VNNI or AVX2 (``HETPLAN_INT8_PREFILL=0`` turns it off),
+  x is quantised per block of 32 as q8_0 is and each block multiplied in int8 (``qint8.h``,
+  ``qdecode_avx2.h``; quantising x moves an output by at most sum
   over blocks b of (max|x_b| / 254) * sum_{k in b} |w_k|, beyond fp32 accumulation); otherwise a
   tile of about 1 MiB of weights is dequantised into cache and multiplied by torch's GEMM.
   The kernels' parallel regions run on torch's intra-op (OpenMP) threads.

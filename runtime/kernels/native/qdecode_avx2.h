@@ -1,6 +1,6 @@
 // Decode and prefill on packed weights in int8 with AVX2 (maddubs), where AVX-512 VNNI is missing
 // (qdecode.h and qint8.h take that case): included by qmatmul.cpp inside its namespace, after
-// qdecode.h (Rows, Seg, over_segments, SMALL_M).
+// qdecode.h (Rows, Seg, over_segments, SMALL_M, with_rows, with_quantised, block_scale, hsum8).
 //
 // x is quantised per block of 32 as prefill and the VNNI decode quantise it (qint8.h):
 // dx_b = max|x_b| / 127, qx = round(x / dx_b) in [-127, 127], stored once per call as 32 bytes
@@ -23,18 +23,11 @@
 #if !defined(HETPLAN_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HETPLAN_INT8_AVX2 1
 
-struct XQ {                    // x quantised for one format's decode
+struct XQ {                    // x quantised for one format
   int64_t nb = 0, nc = 0;      // blocks of 32, chunks of 8 blocks, per row
   std::vector<int8_t> q;       // [M, 32 nb]: each block's qx in its format's order
   std::vector<float> dx, sx;   // [M, 8 nc]: dx_b and dx_b * S_b (0 past the row)
 };
-
-inline float hsum8_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // 32 values at xr (zero-padded by the caller) into 32 bytes at out in FMT's order; dx and S
 // returned. Rounding is the default mode's round-to-nearest-even (cvtps), as std::nearbyint's.
@@ -106,7 +99,7 @@ XQ quantise_xq(const float* x, int64_t M, int64_t K) {
 // The scales of blocks 8c .. 8c + 7 of row n (0 past the row's blocks, never read past it).
 template <int FMT>
 inline __m256 chunk_scales(const Rows& r, int64_t n, int64_t c, int64_t nb) {
-  if (FMT == INT8 || FMT == INT4) return _mm256_set1_ps(*reinterpret_cast<const float*>(r.p[0] + n * r.stride[0]));
+  if (FMT == INT8 || FMT == INT4) return _mm256_set1_ps(block_scale<FMT>(r, n, 0));   // the row's
   // q4_k_m stores whole super-blocks of 8; q8_0 / q4_0 one scale per block of the row
   const uint8_t* d = (FMT == Q4_K_M ? r.p[1] + n * r.stride[1] : r.p[0] + n * r.stride[0]) + 16 * c;
   const int64_t here = FMT == Q4_K_M ? 8 : std::min<int64_t>(8, nb - 8 * c);
@@ -198,7 +191,7 @@ void avx2_rows(const Rows& r, const XQ& q, int64_t m0, float* y, int64_t ldy, in
     for (int m = 0; m < M; ++m) {
       __m256 t = acc[m][0];
       for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[m][a]);
-      y[m * ldy + n] = hsum8_ps(t) - (s8 ? 0.f : z * hsum8_ps(off[m]));
+      y[m * ldy + n] = hsum8(t) - (s8 ? 0.f : z * hsum8(off[m]));
     }
   }
 }

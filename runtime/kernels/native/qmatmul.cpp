@@ -198,6 +198,14 @@ inline void over_segments(const std::vector<Seg>& segs, int64_t a, int64_t e, F 
 }
 
 #if defined(HETPLAN_AVX512) || defined(HETPLAN_AVX2)
+// The sum of the 8 lanes of v.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 inline float h2f_fast(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -336,12 +344,6 @@ inline void block_vec(const Rows& r, int64_t n, int64_t b, __m256 (&w)[4]) {
   }
 }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 #include "qint8.h"
@@ -436,6 +438,12 @@ void dequantise_rows(const Rows& r, int64_t n0, int64_t a, int64_t e, float* o) 
       _mm512_storeu_ps(row + 32 * b, w0);
       _mm512_storeu_ps(row + 32 * b + 16, w1);
     }
+#elif defined(HETPLAN_AVX2)
+    for (; b < whole; ++b) {
+      __m256 wv[4];
+      block_vec<FMT>(r, n, b, wv);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(row + 32 * b + 8 * i, wv[i]);
+    }
 #endif
     for (; b < nb; ++b) {
       block<FMT>(r, n, b, w);
@@ -492,8 +500,21 @@ void dequantise(int64_t fmt, int64_t K, std::vector<torch::Tensor> parts, int64_
   });
 }
 
-bool has_int8() {
 #if defined(HETPLAN_VNNI) || defined(HETPLAN_INT8_AVX2)
+#define HETPLAN_INT8 1
+// y [M, N] = x [M, K] @ W^T with x quantised per block of 32 and multiplied in int8.
+inline void int8_rows(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
+#ifdef HETPLAN_VNNI
+  if (M <= SMALL_M) return vnni_decode(segs, x, M, N, y);
+  return int8_matmul(segs, x, M, N, y);
+#else
+  return avx2_int8(segs, x, M, N, y);
+#endif
+}
+#endif
+
+bool has_int8() {
+#ifdef HETPLAN_INT8
   return true;
 #else
   return false;
@@ -531,31 +552,17 @@ torch::Tensor matmul_cat(torch::Tensor x, int64_t fmt, int64_t K, std::vector<st
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   torch::Tensor xc = x.contiguous();
+#ifdef HETPLAN_INT8
+  if (int8 && fmt <= Q4_K_M) {   // every segment in one call: x quantised once
+    int8_rows(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
+    return y;
+  }
+#endif
   if (M <= SMALL_M) {
-#if defined(HETPLAN_VNNI) || defined(HETPLAN_INT8_AVX2)
-    if (int8 && fmt <= Q4_K_M) {
-#ifdef HETPLAN_VNNI
-      vnni_decode(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
-#else
-      avx2_int8(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
-#endif
-      return y;
-    }
-#endif
     if (Kp != K) xc = torch::constant_pad_nd(xc, {0, Kp - K});
     direct(segs, xc.data_ptr<float>(), M, N, Kp, y.data_ptr<float>());
     return y;
   }
-#if defined(HETPLAN_VNNI) || defined(HETPLAN_INT8_AVX2)
-  if (int8 && fmt <= Q4_K_M) {   // every segment in one call: x quantised once
-#ifdef HETPLAN_VNNI
-    int8_matmul(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
-#else
-    avx2_int8(segs, xc.data_ptr<float>(), M, N, y.data_ptr<float>());
-#endif
-    return y;
-  }
-#endif
   for (size_t s = 0; s < segs.size(); ++s) {
     const Seg& g = segs[s];
     if (segs.size() > 1) {
