@@ -18,6 +18,7 @@ from hetplan import progress
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.evaluate import fits, objective_s, plan_within_budget, predictions
+from hetplan.forked import cpu_seconds
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 from hetplan.pipeline.topology import Topology
@@ -196,10 +197,12 @@ def _workload(req: CompileRequest, batch: int | None = None) -> Workload:
                     objective=req.objective, prefill_chunk=min(chunk, req.prompt_len))
 
 
-def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest, moe_chain: bool = False):
+def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest, moe_chain: bool = False,
+           lp_bounds: dict | None = None):
     """Run one strategy on a problem -> (Decision or None, solver info dict, solve seconds).
     ``moe_chain``: a MoE problem of identical layers goes to the chain DP rather than the count
-    MILP (both exact; the DP is much the faster on the short slices pipeline stages are)."""
+    MILP (both exact; the DP is much the faster on the short slices pipeline stages are);
+    ``lp_bounds``: see ``ilp.solve``."""
     from hetplan.solvers import baselines, ilp
 
     if strategy in IMPORTED:
@@ -219,9 +222,7 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
                           stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp,
                           count_layers=not (moe_chain and bool(problem.experts)))
-    progress.activity("replaying the baselines (the plan is never worse than one that fits)")
-    baseline = baselines.best_fitting(problem) if problem.has_gpu else (None, None, float("inf"))
-    res = ilp.solve(problem, opts)
+    res = ilp.solve(problem, opts, lp_bounds)
     if res.decision is not None and res.objective_s is None:
         # No GPU: the all-CPU plan is the only placement, so it is its own bound.
         obj = objective_s(problem, predictions(problem, build_schedule(problem, res.decision)))
@@ -248,7 +249,7 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
         # Never hand out something worse than a baseline that fits: a plan not proven optimal
         # may be, and even a proven one is optimal for the MILP, whose bus terms only bound
         # the replay (README, Strategies).
-        dec, info = _at_least_baselines(problem, dec, info, baseline, res.status != "optimal")
+        dec, info = _at_least_baselines(problem, dec, info, res, res.status != "optimal")
     return dec, info, res.solve_seconds
 
 
@@ -256,11 +257,15 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
     """The single-GPU planner one pipeline stage is priced with (``hetplan.pipeline``): a
     problem -> its Plan under ``strategy``, or None when nothing fits (``moe_stages``: see
     ``decide``'s ``moe_chain``); its ``lower_bound(problem)`` bounds that plan's objective
-    cheaply (the MILP's LP relaxation), or is None."""
-    def solve(problem: Problem) -> Plan | None:
+    cheaply (the MILP's LP relaxation), or is None; its ``count_bounds(problem)`` bounds it at
+    every layer count of the same kind of stage from the same relaxations (``ilp.count_bounds``),
+    or is None."""
+    def solve(problem: Problem, lp_bounds: dict | None = None) -> Plan | None:
+        """``lp_bounds``: ``count_bounds(problem)``'s values where known (``ilp.solve``)."""
         if not fits_at_all(problem):
             return None
-        plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req, moe_chain=moe_stages))
+        plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req, moe_chain=moe_stages,
+                                                                  lp_bounds=lp_bounds if p is problem else None))
         return plan if plan is not None and fits(plan) else None
 
     def lower_bound(problem: Problem, floor: float = -math.inf) -> float | None:
@@ -273,27 +278,57 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
             return math.inf
         if strategy != "ilp":
             return None
-        return ilp.lp_bound_s(problem, ilp.IlpOptions(stream_cold=req.stream_cold_experts,
-                                                      count_layers=not (moe_stages and bool(problem.experts))), floor)
+        return ilp.lp_bound_s(problem, relaxed(problem), floor)
+
+    def count_bounds(problem: Problem) -> dict | None:
+        """``ilp.count_bounds`` of ``problem``; None where ``lower_bound`` is not the LP's, or the
+        stage cannot fit (``lower_bound`` says inf)."""
+        from hetplan.solvers import ilp
+
+        if strategy != "ilp" or not fits_at_all(problem):
+            return None
+        return ilp.count_bounds(problem, relaxed(problem))
+
+    def relaxed(problem: Problem):
+        from hetplan.solvers import ilp
+
+        return ilp.IlpOptions(stream_cold=req.stream_cold_experts,
+                              count_layers=not (moe_stages and bool(problem.experts)))
 
     solve.lower_bound = lower_bound
+    solve.count_bounds = count_bounds
     if req.stage_memo is not None:
         solve.memo = req.stage_memo.setdefault((strategy, arg, moe_stages), {})
         solve.shared_memo = req.stage_memo   # what holds for every strategy (the StageBounds)
     return solve
 
 
-def _at_least_baselines(problem: Problem, dec, info, baseline: tuple, regap: bool = True):
+def _at_least_baselines(problem: Problem, dec, info, res, regap: bool = True):
     """``dec``, or the best fitting baseline (``baselines.best_fitting``) when it replays
-    better; ``regap``: the MIP gap restated against the replayed objective."""
+    better; ``regap``: the MIP gap restated against the replayed objective. ``res``: the MILP's
+    result; its bound bounds the replay of every plan that fits the problem's budget, a
+    baseline's too, so where ``dec``'s replay is within ``PROVEN`` of it (and no HBM is held
+    back, which a baseline fitting the whole budget may use) no baseline can beat ``dec`` and
+    none is replayed."""
+    from hetplan.solvers import baselines
+
     best, best_obj = dec, objective_s(problem, predictions(problem, build_schedule(problem, dec)))
-    name, cand, obj = baseline
-    if obj < best_obj:
-        best, best_obj = cand, obj
-        info = dict(info, incumbent=f"baseline {name}")
+    proven = (problem.gpu_held_back_bytes == 0 and res.bound_s is not None
+              and best_obj <= res.bound_s * (1 + PROVEN))
+    if problem.has_gpu and not proven:
+        progress.activity("replaying the baselines (the plan is never worse than one that fits)")
+        name, cand, obj = baselines.best_fitting(problem)
+        if obj < best_obj:
+            best, best_obj = cand, obj
+            info = dict(info, incumbent=f"baseline {name}")
     if regap and info.get("lower_bound_s") is not None and best_obj > 0:
         info = dict(info, mip_gap=max(0.0, (best_obj - info["lower_bound_s"]) / best_obj))
     return best, info
+
+
+PROVEN = 1e-9
+"""Relative slack within which a replay equal to the MILP's bound counts as proven optimal (the
+replay and the MILP sum the same times in another order)."""
 
 
 @dataclass(frozen=True)
@@ -302,14 +337,14 @@ class CompileTime:
     every MILP, plan assembly; every batch of a throughput search)."""
     wall_s: float
     cpu_s: float
-    """Process CPU time (all threads)."""
+    """CPU time of the process (all threads) and of the children it forked (``hetplan.forked``)."""
     solve_s: float
     """Of which the solver's own time (the MILPs, or a baseline's decision)."""
 
 
 def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
     """Compile ``req`` -> (plan, compile time). Raises InfeasibleError with the missing bytes."""
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+    wall0, cpu0 = time.perf_counter(), cpu_seconds()
     strategy, arg = parse_strategy(req.strategy)
     with progress.step("reading the model and the node"):
         spec, hw = load_inputs(req)
@@ -318,7 +353,7 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
         raise HetplanError(f"--stream-cold-experts: model {spec.name!r} has no experts to stream; drop the flag")
     if several_devices(hw, strategy):
         plan, solve_s = _compile_devices(spec, hw, req, strategy, routing)
-        return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
+        return plan, CompileTime(time.perf_counter() - wall0, cpu_seconds() - cpu0, solve_s)
     if spec.n_layers > BOUND_FIRST_LAYERS:
         weights_bound(spec, hw, req.weight_dtype == "auto")
     tried = ""
@@ -341,7 +376,7 @@ def compile_plan(req: CompileRequest) -> tuple[Plan, CompileTime]:
     if len(hw.gpus) > 1:
         req.notes.append(f"node {hw.name!r} has {len(hw.gpus)} GPUs; --strategy {req.strategy} plans GPU 0 "
                          f"alone (--strategy ilp plans a pipeline over all of them)")
-    return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
+    return plan, CompileTime(time.perf_counter() - wall0, cpu_seconds() - cpu0, solve_s)
 
 
 BOUND_FIRST_LAYERS = 2000

@@ -24,6 +24,8 @@ SWITCHES = {
     "HETPLAN_HUGE_PAGES": "ask for transparent huge pages under weights and caches in host memory (default 1)",
 }
 PATHS = {"HETPLAN_CACHE": "the folder native kernels are built into (default ~/.cache/hetplan)"}
+COUNTS = {"HETPLAN_JOBS": "processes a compile prices pipeline stages in at once (default: the CPUs it may run on; "
+                          "1: this process alone)"}
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -42,10 +44,27 @@ def switch(name: str, default: bool) -> bool:
                        f"it switches: {SWITCHES.get(name, name)}; unset it for the default")
 
 
+def count(name: str, default: int) -> int:
+    """The positive whole number ``name`` (``default`` when unset or empty)."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise HetplanError(f"environment variable {name}={raw!r}: expected a whole number of at least 1 "
+                           f"({COUNTS[name]}); unset it for the default")
+    return value
+
+
 def check() -> None:
     """Refuse a bad value of any ``HETPLAN_*`` variable hetplan reads."""
     for name in SWITCHES:
         switch(name, False)
+    for name in COUNTS:
+        count(name, 1)
     for name, what in PATHS.items():
         raw = os.environ.get(name)
         if raw is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 from hetplan.canonical import rounded
@@ -208,9 +209,9 @@ class ModelSpec:
         extra = self.n_experts if kind == "moe" and self.arch == "deepseek_v3" else 0
         if self.weight_dtype not in QUANTISED:
             return (params + extra) * self.weight_bytes_per_param
-        shapes = self.linear_shapes(kind)
-        vectors = params - sum(r * c for r, c in shapes)
-        return sum(packed_bytes(self.weight_dtype, r, c) for r, c in shapes) + 4.0 * (vectors + extra)
+        shapes = Counter(self.linear_shapes(kind))   # an MoE block: 3 shapes, 3 x n_experts linears
+        vectors = params - sum(n * r * c for (r, c), n in shapes.items())
+        return sum(n * packed_bytes(self.weight_dtype, r, c) for (r, c), n in shapes.items()) + 4.0 * (vectors + extra)
 
     def expert_bytes(self) -> float:
         """Bytes of one routed expert's weights as the runtime holds them."""

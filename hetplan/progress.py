@@ -121,6 +121,12 @@ def quiet() -> None:
         sink.stop.set()
 
 
+def detach() -> None:
+    """In a forked child (``hetplan.forked``): no sink, so it never takes the parent's lock,
+    which the parent's heartbeat thread may have held at the fork; the parent reports."""
+    _SINK.set(None)
+
+
 def note(text: str) -> None:
     """Print ``text`` now (when a sink is installed)."""
     sink = _SINK.get()

@@ -196,6 +196,7 @@ def copy_done_edges(tasks: list, edges: list) -> list:
     speeds: with it, no interleaving lets c's value wait beside more GPU stages than the timeline
     shows (``hetplan.plan.pending`` counts those bytes in the plan's GPU peak)."""
     gpu = [t for t in tasks if t.resource == "gpu"]
+    start = {t.id: t.start_s for t in tasks}
     after = {t.id: [] for t in tasks}
     for src, dst in edges:
         after[src].append(dst)
@@ -211,10 +212,13 @@ def copy_done_edges(tasks: list, edges: list) -> list:
         g = next((t for t in gpu if t.start_s >= c.end_s - 1e-12 * max(c.end_s, 1e-12)), None)
         if g is None:
             continue
+        # every edge and queue order holds on the timeline, so no task that starts after g
+        # starts can lead to g: the search leaves them out
+        horizon = g.start_s + 1e-12 * max(g.start_s, 1e-12)
         seen, stack = set(), [c.id]
         while stack and g.id not in seen:
             for n in after[stack.pop()]:
-                if n not in seen:
+                if n not in seen and start[n] <= horizon:
                     seen.add(n)
                     stack.append(n)
         if g.id not in seen:

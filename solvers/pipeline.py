@@ -71,14 +71,21 @@ class Split:
 
 def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, objective: str = "sum",
                lower: Callable | None = None, key: Callable | None = None,
-               monotone: bool = True, ceiling: float = math.inf, refine: Callable | None = None) -> Split | None:
+               monotone: bool = True, ceiling: float = math.inf, refine: Callable | None = None,
+               learnt: Callable | None = None, prepare: Callable | None = None) -> Split | None:
     """The cheapest split of ``n_layers`` layers over GPUs ``0..n_gpus-1``; None when none fits;
     an ``outclassed`` Split when every split costs more than ``ceiling`` (module docstring).
     ``refine(k, a, b)``: a tighter lower bound than ``lower``, dearer than it and cheaper than
     ``stage`` (or None: none); a stage of the optimistic optimum is refined before it is priced.
     ``lower(k, a, b)``: a cheap lower bound on ``stage(k, a, b)`` (default 0); ``key(k, a, b)``:
     stages with equal keys cost the same (equal GPUs, equal layers), so one is priced for all;
-    ``monotone``: prices never decrease as a stage takes more layers (module docstring)."""
+    ``monotone``: prices never decrease as a stage takes more layers (module docstring);
+    ``learnt(key)``: a lower bound on the stages of ``key`` that refinements of other stages
+    teach (it may rise as ``refine`` runs), asked again for every key after each round of
+    refinements; ``prepare(stages, refining)``: called
+    with the stages (one per key) about to be refined (``refining``) or priced, before they are,
+    so that the caller may compute them together (side by side) and answer the calls that follow
+    from what it kept."""
     if objective not in ("sum", "max"):
         raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
     L, K = n_layers, n_gpus
@@ -89,8 +96,10 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     price: dict = {}  # key -> seconds
     refined: dict = {}  # key -> the tighter lower bound (``refine``)
     useful = {True: 0, False: 0}  # refinements that raised a bound by more than REFINED, and not
+    taught: dict = {}  # key -> ``learnt``'s bound
     while True:
-        optimistic = {s: price.get(keys[s], max(bound[s], refined.get(keys[s], bound[s]))) for s in every}
+        optimistic = {s: price.get(k, max(bound[s], refined.get(k, bound[s]), taught.get(k, bound[s])))
+                      for s, k in keys.items()}
         if monotone:
             _raise_to_contained(optimistic, {s for s in every if keys[s] in price or keys[s] in refined}, L, K)
         cost, stages = _cheapest(optimistic, links, L, K, objective)
@@ -101,8 +110,10 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         unpriced = [s for s in stages if keys[s] not in price]
         if not unpriced:
             return Split(stages, cost, len(price))
-        rough = [s for s in unpriced if refine is not None and keys[s] not in refined]
+        rough = _one_per_key([s for s in unpriced if refine is not None and keys[s] not in refined], keys)
         if rough:
+            if prepare is not None:
+                prepare(rough, True)
             for s in rough:
                 if keys[s] not in refined:
                     tighter = refine(*s)
@@ -111,10 +122,22 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
                         useful[tighter is not None and tighter > bound[s] * REFINED] += 1
             if useful[False] > useful[True] + REFINE_SLACK:   # it rarely tightens here: price instead
                 refine = None
+            if learnt is not None:
+                taught = {k: learnt(k) for k in set(keys.values())}
             continue
+        if prepare is not None:
+            prepare(_one_per_key(unpriced, keys), False)
         for s in unpriced:
             if keys[s] not in price:
                 price[keys[s]] = stage(*s)
+
+
+def _one_per_key(stages: list, keys: dict) -> list:
+    """``stages`` less those whose key an earlier one has."""
+    first: dict = {}
+    for s in stages:
+        first.setdefault(keys[s], s)
+    return list(first.values())
 
 
 def split_lower_bound(n_layers: int, n_gpus: int, link: Callable, objective: str, lower: Callable,

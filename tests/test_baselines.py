@@ -316,3 +316,29 @@ def test_accelerate_places_a_tied_head_with_the_embedding():
     assert sorted(b for b, w in dec.weights.items() if w == "gpu") == ["attn_0", "attn_1", "embed", "head",
                                                                        "mlp_0", "mlp_1"]
     assert placed(dec, "attn_2", "mlp_3") == [("stream", "stream", "stream")] * 2
+
+
+@pytest.mark.parametrize("gpu_mib", [1.2, 4.0, 64.0])
+def test_baselines_are_replayed_only_where_the_milp_has_not_proven_its_plan(gpu_mib, monkeypatch):
+    """Where the MILP plan's replay equals the MILP's bound (which bounds the replay of every plan
+    that fits, a baseline's too), no baseline can beat it and none is replayed; the decision is
+    the one replaying them all gives. A problem holding HBM back always replays them: a baseline
+    fitting the whole budget may use that HBM, where the MILP's bound says nothing."""
+    from hetplan import compiler
+
+    problem = build_problem(tiny_spec(n_layers=4), tiny_node(gpu_mib / 1024),
+                            Workload(batch=1, prompt_len=64, gen_len=16, objective="latency", prefill_chunk=64))
+    req = CompileRequest(model="tiny", hw="tiny")
+    replayed = []
+    real = baselines.best_fitting
+    monkeypatch.setattr(baselines, "best_fitting", lambda p: replayed.append(p) or real(p))
+    dec, info, _ = compiler.decide(problem, "ilp", None, req)
+    lazy = len(replayed)
+    monkeypatch.setattr(compiler, "PROVEN", -1.0)   # nothing proven: every baseline replayed
+    assert compiler.decide(problem, "ilp", None, req)[:2] == (dec, info)
+    assert len(replayed) == lazy + 1
+    if gpu_mib == 64.0:   # everything resident: the MILP's plan replays to its bound
+        assert lazy == 0
+    monkeypatch.setattr(compiler, "PROVEN", 1e-9)
+    compiler.decide(problem.held_back(1 << 10), "ilp", None, req)
+    assert len(replayed) == lazy + 2

@@ -100,7 +100,7 @@ class StageBound:
         self.cap = problem.gpu_budget_bytes
         self.room = room_bytes(problem)   # a stage's workspaces are the whole model's: by width, not layers
         self.resident = max(0.0, problem.gpu_budget_bytes - problem.gpu_workspace_bytes)
-        self._seconds, self._least = {}, {}
+        self._seconds, self._least, self._rate = {}, {}, {}
         stored = [0.0] * (L + 2)   # weights and one KV cache per position
         for b in problem.blocks:
             stored[position[b.name]] += b.weight_bytes + b.kv_bytes
@@ -168,10 +168,12 @@ class StageBound:
         layer = problem.experts.get(phase, {}).get(st.block) if st.kind == "moe" else None
         if layer is None:
             return st.work.bytes / sc.cpu_s if sc.cpu_s > 0 else math.inf
-        parts = [(w + 2 * r, f) for w, r, f in zip(layer.wbytes, layer.rows, layer.flops)]
-        parts += [(layer.shared_bytes, layer.shared_flops), (layer.route_bytes, layer.route_flops)]
-        ratio = max((b / f if f > 0 else math.inf) for b, f in parts if b > 0)
-        return min(layer.cpu.bytes_per_s, layer.cpu.flops_per_s * ratio)
+        if id(layer) not in self._rate:   # layers routed alike share one ExpertLayer
+            parts = [(w + 2 * r, f) for w, r, f in zip(layer.wbytes, layer.rows, layer.flops)]
+            parts += [(layer.shared_bytes, layer.shared_flops), (layer.route_bytes, layer.route_flops)]
+            ratio = max((b / f if f > 0 else math.inf) for b, f in parts if b > 0)
+            self._rate[id(layer)] = min(layer.cpu.bytes_per_s, layer.cpu.flops_per_s * ratio)
+        return self._rate[id(layer)]
 
     def overflow_s(self, phase: str, first: int, end: int, nbytes: float) -> float:
         """The held bytes beyond HBM's room over the link and the CPU together, the CPU at the range's

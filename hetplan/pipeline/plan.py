@@ -182,6 +182,8 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     one cache, is taken when it is as fast. A split of 2 to ``D - 1`` stages is so priced with
     more caches than it will hold, so the search may miss one that only fits, or is only
     faster, with its own count (never on two devices); the plan it returns is sized consistently."""
+    from hetplan.forked import forked_map
+    from hetplan.solvers.ilp.counts import envelope
     from hetplan.solvers.pipeline import best_split
 
     topo = Topology.of(hw)
@@ -193,7 +195,8 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     kind = [machines.index(m) for m in machines]  # equal devices share prices
     copies = micro_batch_count(objective, len(devices))
     key = _stage_key(spec, machines)
-    plans, bounds, stage_bounds = _memos(solve_stage, spec, wl)
+    plans, bounds, stage_bounds, learnt = _memos(solve_stage, spec, wl)
+    relaxed: dict = {}   # stage key -> {configuration: its LP's value}, of the stages refined
 
     def stage_plan(k, a, b, n_kv=None):
         n_kv = copies if n_kv is None else n_kv
@@ -203,21 +206,60 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
 
     seconds, lower, link = _pricing(spec, topo, wl, objective, machines, stage_bounds)
     cheap = getattr(solve_stage, "lower_bound", None)
+    counted = getattr(solve_stage, "count_bounds", None)
+
+    def family(k, a, b):   # stages alike but for their layer count
+        at = key(k, a, b)
+        return at[:1] + at[2:]
+
+    def taught(at):   # the LP bound of the stages of key ``at`` that its family's refinements learnt
+        return envelope(learnt.get(at[:1] + at[2:], {}), at[1])
+
+    def refined(s):   # what refining stage ``s`` finds (pure: it may run in a forked child)
+        k, a, b = s
+        problem = device_problem(spec, machines[k], wl, a, b, copies)
+        counts = counted(problem) if counted else None
+        return counts if counts is not None else cheap(problem, lower(k, a, b))
+
+    def learn(s, found) -> None:
+        if isinstance(found, dict):   # every configuration's LP, each a bound on every length of this kind of stage
+            for config, bound in found.items():
+                learnt.setdefault(family(*s), {}).setdefault(config, []).append(bound)
+            relaxed[key(*s)] = {config: bound.value_s for config, bound in found.items()}
+            found = min(relaxed[key(*s)].values())
+        bounds[key(*s)] = found
 
     def refine(k, a, b):   # the stage's objective is the DP's seconds only under ``sum``
         if not cheap or objective != "sum":
             return None
-        at = key(k, a, b)
-        if at not in bounds:
-            bounds[at] = cheap(device_problem(spec, machines[k], wl, a, b, copies), lower(k, a, b))
-        return bounds[at]
+        if key(k, a, b) not in bounds:
+            learn((k, a, b), refined((k, a, b)))
+        return bounds[key(k, a, b)]
+
+    def solved(s):   # the stage's plan (pure: it may run in a forked child)
+        k, a, b = s
+        problem = device_problem(spec, machines[k], wl, a, b, copies)
+        if key(*s) in relaxed:   # its LPs, solved when it was refined
+            return solve_stage(problem, lp_bounds=relaxed[key(*s)])
+        return solve_stage(problem)
+
+    def prepare(stages, refining):   # the stages the search asks for next, side by side
+        if refining:
+            todo = [s for s in stages if cheap and objective == "sum" and key(*s) not in bounds]
+            for s, found in zip(todo, forked_map(refined, todo)):
+                learn(s, found)
+        else:
+            todo = [s for s in stages if (key(*s), copies) not in plans]
+            for s, plan in zip(todo, forked_map(solved, todo)):
+                plans[key(*s), copies] = plan
 
 
     def stage(k, a, b, n_kv=None):
         p = stage_plan(k, a, b, n_kv)
         return math.inf if p is None else seconds(p.predicted["ttft_s"], p.predicted["tpot_s"])
 
-    split = best_split(L, len(devices), stage, link, objective, lower, key, ceiling=ceiling, refine=refine)
+    split = best_split(L, len(devices), stage, link, objective, lower, key, ceiling=ceiling, refine=refine,
+                       learnt=taught if counted is not None else None, prepare=prepare)
     if split is not None and split.outclassed:
         raise Outclassed(split.cost_s)
     if split is None:
@@ -250,17 +292,19 @@ def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "su
 
 
 def _memos(solve_stage, spec: ModelSpec, wl: Workload) -> tuple:
-    """(plans, refined bounds) of stages, by stage key (``_stage_key``), and the ``StageBound``
-    of each device description: dicts of this search alone, or, where ``solve_stage`` carries a
+    """(plans, refined bounds) of stages, by stage key (``_stage_key``), the ``StageBound`` of
+    each device description, and the ``CountBound``s learnt per kind of stage (its key without
+    the layer count) and configuration: dicts of this search alone, or, where ``solve_stage`` carries a
     ``memo`` (``stage_solver``'s, shared by the candidates of one ``compile --serve``), its
     entries for this model and workload (the StageBounds in its ``shared_memo``, which every
     strategy and ``ThroughputBound`` read: they bound any plan)."""
     memo = getattr(solve_stage, "memo", None)
     if memo is None:
-        return {}, {}, {}
+        return {}, {}, {}, {}
     scope = (json.dumps(spec.to_dict(), sort_keys=True), wl)
     return (memo.setdefault(("plans", *scope), {}), memo.setdefault(("bounds", *scope), {}),
-            stage_bounds_memo(getattr(solve_stage, "shared_memo", memo), spec, wl))
+            stage_bounds_memo(getattr(solve_stage, "shared_memo", memo), spec, wl),
+            memo.setdefault(("counts", *scope), {}))
 
 
 def stage_bounds_memo(memo: dict, spec: ModelSpec, wl: Workload) -> dict:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from hetplan.compiler import CompileRequest, CompileTime, compile_plan, load_machine, parse_strategy, several_devices
 from hetplan.errors import HetplanError, InfeasibleError
+from hetplan.forked import cpu_seconds
 from hetplan.pipeline.compile import BOUND_ROUNDING
 from hetplan.pipeline.plan import Outclassed
 from hetplan.pipeline.record import replicas_of
@@ -197,7 +198,7 @@ def compile_serving(req: CompileRequest, sreq: ServingRequest):
     if context < req.prompt_len + req.gen_len:
         raise HetplanError(f"--max-context {context}: less than --prompt-len + --gen-len "
                            f"({req.prompt_len + req.gen_len}) that the plan is priced at; raise it or shorten those")
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+    wall0, cpu0 = time.perf_counter(), cpu_seconds()
     searches, solve_s = _search(req, sreq)
     plans = [p for found, _ in searches.values() for p in found]
     if context > plans[0].model.max_positions:
@@ -216,7 +217,7 @@ def compile_serving(req: CompileRequest, sreq: ServingRequest):
                "batch": min(best.workload.batch, pools["gpu_blocks"]), **pools,
                "curve": curve(best, batches_up_to(sreq.max_batch), slo)}
     plan = dataclasses.replace(best, serving=serving)
-    return plan, CompileTime(time.perf_counter() - wall0, time.process_time() - cpu0, solve_s)
+    return plan, CompileTime(time.perf_counter() - wall0, cpu_seconds() - cpu0, solve_s)
 
 
 def dram_sharers(plan) -> int:

@@ -6,10 +6,11 @@ MILP of ``layers`` when the model's layers are all alike, else the per-block MIL
 model, the chain DP of ``chain`` (a package: ``dp``, ``cells``, ``grid``, ``plan``) where it proves the
 optimum). Constraint families live in ``constraints`` (one function each, the math in its
 docstring), the MoE expert split in ``experts``, and what both minimise, the block-time
-formulas and the HiGHS run in ``objective``. Knows the problem's numbers and the schedule's
+formulas and the HiGHS run in ``objective``; ``counts`` reads one LP relaxation of the count
+MILP as a bound at every layer count (what the pipeline search learns from). Knows the problem's numbers and the schedule's
 task rules; knows nothing about plan files, the CLI or torch.
 """
 
-from hetplan.solvers.ilp.per_block import IlpOptions, IlpResult, lp_bound_s, memory_unit, solve
+from hetplan.solvers.ilp.per_block import IlpOptions, IlpResult, count_bounds, lp_bound_s, memory_unit, solve
 
-__all__ = ["IlpOptions", "IlpResult", "lp_bound_s", "memory_unit", "solve"]
+__all__ = ["IlpOptions", "IlpResult", "count_bounds", "lp_bound_s", "memory_unit", "solve"]

@@ -279,7 +279,7 @@ class LayerModel:
         first_e = {e: out["E", e] for e in range(len(self.first_opts))}   # flow variables per option
         last_h = {h: into["H", h] for h in range(len(self.last_opts))}
         self._add_bus_bounds(prices, first, layer, last, out, into)
-        used = pulp.LpVariable("gpu_used", cat="Binary")
+        used = self.used = pulp.LpVariable("gpu_used", cat="Binary")
         for on_gpu in (True, False):
             expr = _linear([(v, tier_bytes(layer, self.layer_opts[o], on_gpu)) for o, v in self.n.items()]
                            + [(v, tier_bytes((first,), (self.first_opts[e],), on_gpu))
@@ -392,16 +392,21 @@ class LayerModel:
         path.reverse()
         return start[1], [u[1] for u in path if u[0] == "O"], path[-1][1]
 
-    def lp_bound_s(self, opts) -> float:
-        """The LP relaxation's value, a lower bound on the stated objective (inf if infeasible)."""
+    def solve_relaxation(self, opts) -> tuple:
+        """Solve the LP relaxation (every variable continuous) -> (status, HiGHS info); the
+        HiGHS model, with its duals, stays in ``prob.solverModel``."""
         cats = {v.name: v.cat for v in self.prob.variables()}
         for v in self.prob.variables():
             v.cat = "Continuous"
         try:
-            status, info = run_highs(self.prob, highs_solver(opts))
+            return run_highs(self.prob, highs_solver(opts))
         finally:
             for v in self.prob.variables():
                 v.cat = cats[v.name]
+
+    def lp_bound_s(self, opts) -> float:
+        """The LP relaxation's value, a lower bound on the stated objective (inf if infeasible)."""
+        status, info = self.solve_relaxation(opts)
         if status != "optimal":
             return float("inf")
         return self.weights.stated_bound_s(info.objective_function_value)

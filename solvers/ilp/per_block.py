@@ -360,7 +360,7 @@ def configurations(problem: Problem, depths, by_slot: bool) -> list:
     if not by_slot:
         return [(d, None) for d in depths]
     sizes = sorted({b.weight_bytes for b in problem.blocks if b.streamable})
-    return [(d, w) for d in depths for w in sizes] + [(1, 0.0)]
+    return list(dict.fromkeys([(d, w) for d in depths for w in sizes] + [(1, 0.0)]))   # (1, 0) once
 
 
 def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
@@ -415,7 +415,23 @@ def lp_bound_s(problem: Problem, opts: IlpOptions | None = None, floor: float = 
     return least
 
 
-def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
+def count_bounds(problem: Problem, opts: IlpOptions | None = None) -> dict | None:
+    """{configuration: ``counts.CountBound``}: the LP relaxation of the count MILP of every
+    configuration, each read as a lower bound on that configuration at every layer count of the
+    same kind of stage (``counts``); the least over configurations at this problem's count is
+    ``lp_bound_s`` (without a floor). None where ``lp_bound_s`` is."""
+    from hetplan.solvers.ilp.counts import count_bound
+
+    opts = opts or IlpOptions()
+    shape = layered(problem) if problem.has_gpu and opts.count_layers and not opts.stream_cold else None
+    if shape is None:
+        return None
+    unit = memory_unit(problem)
+    return {c: count_bound(LayerModel(problem, shape, *c, unit), opts)
+            for c in dict.fromkeys(configurations(problem, opts.depths, True))}
+
+
+def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | None = None) -> IlpResult:
     """Solve the MILP of every configuration (``configurations``: staging depths of
     ``opts.depths``, and for MoE models and models of identical layers slot sizes); return the
     best decision, with the bound and gap over all of them (the optimum is >= the least
@@ -424,7 +440,9 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     first to the chain DP (``chain``, configurations in order of their Lagrangian bounds), and
     to the per-block MILP only where the DP's plan meets a bus-total or prompt-KV row it left out. No MIP start is handed to HiGHS: with a
     partial start (the placement binaries of a baseline) HiGHS 1.16 declared worse plans optimal
-    on small dense models at depth 2 (``tests/test_ilp_layers.py`` cross-checks both MILPs)."""
+    on small dense models at depth 2 (``tests/test_ilp_layers.py`` cross-checks both MILPs).
+    ``lp_bounds``: {configuration: LP relaxation value} of this very problem's count MILPs where
+    known already (``count_bounds``' ``value_s``), not computed again."""
     opts = opts or IlpOptions()
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
@@ -432,11 +450,16 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
     shape = layered(problem) if opts.count_layers and not opts.stream_cold else None
     results = []
     configs = configurations(problem, opts.depths, bool(problem.experts) or shape is not None)
-    layer_models = {}
+    layer_models = {}   # built when needed: a configuration its LP bound cuts off needs none
     if shape is not None:  # the count MILPs, in order of their LP bounds
         unit = memory_unit(problem)
-        layer_models = {c: LayerModel(problem, shape, c[0], c[1], unit) for c in configs}
-        lp = {c: m.lp_bound_s(opts) for c, m in layer_models.items()}
+
+        def layer_model(c):
+            if c not in layer_models:
+                layer_models[c] = LayerModel(problem, shape, c[0], c[1], unit)
+            return layer_models[c]
+        known = lp_bounds or {}
+        lp = {c: known[c] if c in known else layer_model(c).lp_bound_s(opts) for c in configs}
         configs = sorted(configs, key=lambda c: (lp[c], configs.index(c)))
     t_setup = time.perf_counter()
     chains, weights = _chains(problem, configs, opts) if shape is None else ({}, None)
@@ -452,15 +475,15 @@ def solve(problem: Problem, opts: IlpOptions | None = None) -> IlpResult:
         cutoff = min(found) if found else None
         config_opts = IlpOptions(**{**opts.__dict__, "dump_lp": dump})
         res = None
-        if (depth, slot) in layer_models:
+        if shape is not None:
             config_opts = IlpOptions(**{**config_opts.__dict__, "max_nodes": opts.max_nodes * COUNT_NODES_PER_NODE})
-            model = layer_models[depth, slot]
             if cutoff is not None and lp[depth, slot] >= cutoff * (1 - opts.mip_rel_gap):
                 # its LP bound proves it cannot beat the plan found (within the gap tolerance)
+                size = layer_models[depth, slot].size() if (depth, slot) in layer_models else (0, 0)
                 results.append(IlpResult(None, "optimal", 0.0, float("inf"), min(lp[depth, slot], cutoff),
-                                         0.0, *model.size()))
+                                         0.0, *size))
                 continue
-            res = _solve_layers(problem, model, config_opts, cutoff)
+            res = _solve_layers(problem, layer_model((depth, slot)), config_opts, cutoff)
         if res is None and (depth, slot) in chains:
             res = _solve_chain(chains[depth, slot], weights, config_opts, cutoff)
         if res is None:

@@ -400,6 +400,8 @@ ENV_CASES = [
     ("HETPLAN_CPU_UPCAST", "always", ["profile", "--out", "node.yaml", "--budget", "5s"]),
     ("HETPLAN_CACHE", "/dev/null", ["exec", "plan.json", "--weights", "random"]),
     ("HETPLAN_CACHE", " ", ["check", "plan.json"]),
+    ("HETPLAN_JOBS", "0", ["compile", "config.json", "--hw", "node.yaml", "-o", "out.json"]),
+    ("HETPLAN_JOBS", "many", ["check", "plan.json"]),
 ]
 
 

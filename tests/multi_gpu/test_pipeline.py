@@ -209,3 +209,32 @@ def test_gpu_mem_sets_each_gpu_budget_and_refuses_a_gpu_that_is_not_there():
     for bad, says in [("2=1GiB", "no GPU 2"), ("x=1GiB", "cannot read 'x'"), ("0=2GiB", "more than")]:
         with pytest.raises(HetplanError, match=says):
             with_gpu_budgets(hw, bad)
+
+
+@pytest.mark.parametrize("gpu_mib, second_mib", [(3, 3), (4, 8), (2.5, 100)])
+def test_learnt_lp_bounds_and_stages_priced_side_by_side_change_no_choice(gpu_mib, second_mib, monkeypatch):
+    """The search that learns every stage length's LP bound from the stages it refines
+    (``count_bounds``) and prices stages in forked children chooses what the plain search
+    chooses (one process, each stage's own LP bound)."""
+    spec = tiny_spec(n_layers=8)
+    hw = two_gpus(gpu_mib / 1024, second_mib / 1024)
+    solve = stage_solver(CompileRequest(model="tiny", hw="tiny"))
+    taught = []
+
+    def plain(problem):
+        return solve(problem)
+    plain.lower_bound = solve.lower_bound
+
+    def learning(problem, lp_bounds=None):
+        return solve(problem, lp_bounds=lp_bounds)
+    learning.lower_bound = solve.lower_bound
+    learning.count_bounds = lambda problem: taught.append(problem) or solve.count_bounds(problem)
+    monkeypatch.setenv("HETPLAN_JOBS", "1")
+    want = plan_pipeline(spec, hw, WL, plain)
+    monkeypatch.setenv("HETPLAN_JOBS", "2")
+    got = plan_pipeline(spec, hw, WL, learning)
+    assert [(s.gpu, s.first_layer, s.end_layer) for s in got.stages] == \
+        [(s.gpu, s.first_layer, s.end_layer) for s in want.stages]
+    assert got.predicted() == want.predicted()
+    assert [s.plan.placement for s in got.stages] == [s.plan.placement for s in want.stages]
+    assert taught or len(want.stages) == 1

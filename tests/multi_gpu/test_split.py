@@ -110,6 +110,60 @@ def test_refined_bounds_find_the_brute_force_optimum_pricing_no_more_stages(seed
         assert got.priced <= free.priced
 
 
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(20))
+def test_bounds_learnt_from_refinements_and_prepared_batches_leave_the_dp_exact(seed, objective):
+    """``learnt(key)`` rises as stages are refined (once a stage on GPU k was refined, every
+    stage on k learns 0.9 x its price), and ``prepare`` sees every stage, one per key, before it
+    is refined or priced: the optimum is brute force's."""
+    L, K, stage, link, *wants = random_case(seed, 2)
+    want = wants[objective == "max"]
+    taught, prepared = set(), {True: set(), False: set()}
+
+    def refine(k, a, b):
+        assert (k, a, b) in prepared[True]
+        taught.add(k)
+        return 0.8 * stage(k, a, b)
+
+    def priced(k, a, b):
+        assert (k, a, b) in prepared[False]
+        return stage(k, a, b)
+
+    def prepare(stages, refining):
+        assert len(set(stages)) == len(stages)
+        prepared[refining].update(stages)
+
+    def learnt(key):
+        k, a, b = key
+        return 0.9 * stage(k, a, b) if k in taught else -math.inf
+    got = best_split(L, K, priced, link, objective, lambda k, a, b: 0.5 * stage(k, a, b), refine=refine,
+                     learnt=learnt, prepare=prepare)
+    if want == math.inf:
+        assert got is None
+        return
+    assert got.cost_s == pytest.approx(want, rel=1e-12)
+    assert prepared[True] and (taught or not prepared[False])
+
+
+def test_learnt_bounds_spare_prices():
+    """Over many cases, a search that learns (every stage on a refined stage's GPU bounded by
+    0.99 x its price) prices fewer stages than one that only refines."""
+    spent = {False: 0, True: 0}
+    for seed in range(40):
+        L, K, stage, link, *_ = random_case(seed, 3)
+        for learns in (False, True):
+            taught = set()
+
+            def refine(k, a, b):
+                taught.add(k)
+                return 0.6 * stage(k, a, b)
+            learnt = (lambda key: 0.99 * stage(*key) if key[0] in taught else -math.inf) if learns else None
+            got = best_split(L, K, stage, link, "sum", lambda k, a, b: 0.5 * stage(k, a, b), refine=refine,
+                             learnt=learnt)
+            spent[learns] += got.priced if got else 0
+    assert spent[True] < spent[False]
+
+
 def test_nothing_fits_gives_no_split():
     assert best_split(3, 2, lambda k, a, b: math.inf, lambda j, k: 0.0) is None
 

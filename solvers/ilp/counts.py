@@ -1,0 +1,116 @@
+"""A lower bound on the count MILP of *every* layer count from one LP relaxation (weak duality).
+
+The count MILP of ``n`` alike layers (``layers.LayerModel``) depends on ``n`` in three places
+only: the right-hand side of ``sum_o n_o = n``, the upper bounds ``n_o <= n`` and ``y <= n - 1``
+(the arcs between consecutive layers), and the coefficient of ``gpu_used`` in
+``n gpu_used >= sum of the layers that use the GPU``. Solve its LP relaxation at ``n``; HiGHS's
+optimal duals (row duals ``y``, reduced costs ``d = c - A^T y``) stay feasible for the dual of
+the relaxation at any other count ``m``: no column's cost changes, and the one coefficient that
+does sits in ``gpu_used``'s column, whose bounds are finite, where any reduced cost is feasible.
+So by weak duality, for every ``m``
+
+    LP(m) >= offset + sum_r y_r side_r(m) + sum_j d_j(m) bound_j(m)
+
+(``side_r``: row ``r``'s lower bound where ``y_r > 0``, its upper where ``y_r < 0``; ``bound_j``:
+column ``j``'s lower bound where ``d_j > 0``, its upper where ``d_j < 0``), which is
+
+    base + per_layer m + min(0, d_used - (m - n) y_used_row)
+
+a line in ``m`` and a concave piece; at ``m = n`` it is the LP's value (strong duality, checked
+to ``DUALITY_TOLERANCE``; a certificate that fails the check bounds ``n`` alone). The arcs
+between layers exist only from two layers on, so a certificate from ``n >= 2`` bounds every
+``m >= 2`` and one from ``n = 1`` bounds ``m = 1`` alone. Each LP relaxation is a lower bound on
+its MILP, so one LP per staging configuration bounds that configuration at every layer count
+of the same stage kind: the pipeline search (``hetplan.pipeline.plan``) learns the bound of
+every stage length from the few it refines.
+
+Only for the objectives whose weights do not depend on the layer count (``latency``,
+``throughput``: 1 and ``gen_len``; ``ttft``/``tpot`` weigh the other phase by the problem's
+own times).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hetplan.solvers.ilp.layers import LayerModel
+from hetplan.solvers.ilp.objective import MS
+
+DUALITY_TOLERANCE = 1e-7
+"""Relative difference allowed between the LP's value and its dual objective at ``n``."""
+WEIGHTS_FIXED = ("latency", "throughput")
+"""Objectives whose phase weights are the same for every layer count (``Weights``)."""
+
+
+@dataclass(frozen=True)
+class CountBound:
+    """The LP relaxation of one configuration's count MILP solved at ``n`` layers, as a lower
+    bound on the relaxation (so on the stage's price) at any count ``m`` (module docstring)."""
+    n: int
+    value_s: float
+    """The LP's value at ``n`` (stated seconds; inf: infeasible)."""
+    base: float = -math.inf
+    """Weighted ms: the dual objective's part that does not move with ``m`` (-inf: bounds ``n`` alone)."""
+    per_layer: float = 0.0
+    used_dual: float = 0.0
+    used_row_dual: float = 0.0
+    margin_s: float = 0.0
+    """Subtracted from every bound but ``n``'s: the duality gap the check allowed, and rounding."""
+
+    def at(self, m: int) -> float:
+        """A lower bound (stated seconds) on the LP relaxation at ``m`` layers; -inf where this
+        certificate says nothing."""
+        if m == self.n:
+            return self.value_s
+        if self.base == -math.inf or m < 2 or self.n < 2:
+            return -math.inf
+        d_used = self.used_dual - (m - self.n) * self.used_row_dual
+        return (self.base + self.per_layer * m + min(0.0, d_used)) / MS - self.margin_s
+
+
+def count_bound(model: LayerModel, opts) -> CountBound:
+    """The LP relaxation of ``model`` at its layer count, with its duals read as a
+    ``CountBound``."""
+    status, info = model.solve_relaxation(opts)
+    if status != "optimal":
+        return CountBound(model.L, math.inf)
+    value = info.objective_function_value
+    stated = model.weights.stated_bound_s(value)
+    h = model.prob.solverModel
+    sol, lp = h.getSolution(), h.getLp()
+    if model.problem.workload.objective not in WEIGHTS_FIXED or not sol.dual_valid:
+        return CountBound(model.L, stated)
+    y, d = list(sol.row_dual), list(sol.col_dual)
+    dual = lp.offset_ + _paired(y, lp.row_lower_, lp.row_upper_) + _paired(d, lp.col_lower_, lp.col_upper_)
+    if not abs(dual - value) <= DUALITY_TOLERANCE * max(1.0, abs(value)):
+        return CountBound(model.L, stated)
+    rows, n = model.prob.constraints, model.L
+    counts = [v.index for v in model.n.values()]
+    between = [v.index for k, (v, _) in model.arcs.items() if k[0] == "M" and k[2] == "A"]
+    per_layer = y[rows["every_layer"].index] + sum(min(0.0, d[j]) for j in counts + between)
+    used_dual = d[model.used.index]
+    base = dual - per_layer * n - min(0.0, used_dual)
+    margin = (abs(dual - value) + 1e-9 * abs(value)) / MS
+    return CountBound(n, stated, base, per_layer, used_dual, y[rows["gpu_used_layers"].index], margin)
+
+
+def _paired(duals, lower, upper) -> float:
+    """``sum_i dual_i x bound_i``, the bound the dual's sign selects (lower where positive, upper
+    where negative); -inf where a dual that is not zero meets an infinite bound (no certificate)."""
+    total = 0.0
+    for v, lo, hi in zip(duals, lower, upper):
+        side = lo if v > 0 else hi if v < 0 else 0.0
+        if math.isinf(side):
+            return -math.inf
+        total += v * side
+    return total
+
+
+def envelope(bounds: dict, m: int) -> float:
+    """The least, over configurations, of the best ``CountBound`` of each at ``m`` layers:
+    ``bounds`` maps each configuration to the certificates learnt for it (-inf while one has
+    none)."""
+    if not bounds:
+        return -math.inf
+    return min(max((c.at(m) for c in certs), default=-math.inf) for certs in bounds.values())

@@ -1,0 +1,79 @@
+"""One LP relaxation of the count MILP, read through its duals, bounds the relaxation at every
+other layer count of the same kind of stage (``solvers/ilp/counts.py``). The oracle is the LP
+itself, built and solved afresh at each count."""
+
+import math
+
+import pytest
+
+from hetplan.diagnose import fits_at_all
+from hetplan.pipeline.stages import device_problem
+from hetplan.solvers.ilp import IlpOptions, count_bounds, solve
+from hetplan.solvers.ilp.layers import LayerModel, layered
+from hetplan.solvers.ilp.per_block import memory_unit
+from hetplan.workload import Workload
+from tests.conftest import tiny_node, tiny_spec
+
+L = 12
+SPEC = tiny_spec(n_layers=L)
+WL = Workload(batch=4, prompt_len=256, gen_len=32, objective="latency", prefill_chunk=256)
+
+
+def span(kind: str, n: int) -> tuple:
+    """Layers [a, b) of an ``n``-layer stage holding the embedding (first), neither end
+    (middle) or the head (last)."""
+    return {"first": (0, n), "middle": (1, 1 + n), "last": (L - n, L)}[kind]
+
+
+def lp(hw, wl, kind: str, m: int, config) -> float:
+    """The oracle: the LP relaxation of ``config``'s count MILP at ``m`` layers, solved afresh."""
+    p = device_problem(SPEC, hw, wl, *span(kind, m))
+    return LayerModel(p, layered(p), config[0], config[1], memory_unit(p)).lp_bound_s(IlpOptions())
+
+
+@pytest.mark.parametrize("gpu_mib", [3, 64])
+@pytest.mark.parametrize("kind", ["first", "middle", "last"])
+@pytest.mark.parametrize("n", [2, 6])
+def test_one_lp_bounds_the_lp_at_every_other_layer_count(gpu_mib, kind, n):
+    hw = tiny_node(gpu_mib / 1024)
+    problem = device_problem(SPEC, hw, WL, *span(kind, n))
+    assert fits_at_all(problem)
+    bounds = count_bounds(problem)
+    assert bounds
+    for config, bound in bounds.items():
+        assert bound.at(n) == lp(hw, WL, kind, n, config)   # the LP's own value at its count
+        for m in range(2, 11):
+            want = lp(hw, WL, kind, m, config)
+            got = bound.at(m)
+            assert -math.inf < got <= want * (1 + 1e-9), (config, m)
+            assert got > 0
+            if gpu_mib == 64:   # every layer resident at every count: the LP is a line, the bound exact
+                assert got == pytest.approx(want, rel=1e-8), (config, m)   # less the rounding margin
+
+
+def test_a_one_layer_lp_and_an_objective_weighting_by_the_problem_bound_their_own_count_alone():
+    hw = tiny_node(3 / 1024)
+    one = count_bounds(device_problem(SPEC, hw, WL, 0, 1))
+    assert all(b.at(1) == b.value_s and b.at(2) == -math.inf for b in one.values())
+    ttft = Workload(batch=4, prompt_len=256, gen_len=32, objective="ttft", prefill_chunk=256)
+    alone = count_bounds(device_problem(SPEC, hw, ttft, 0, 4))
+    assert all(b.at(4) == b.value_s and b.at(5) == -math.inf for b in alone.values())
+
+
+def test_an_infeasible_configuration_bounds_its_count_at_inf_and_says_nothing_of_others():
+    hw = tiny_node(3 / 1024, cpu_gib=6 / 1024)   # DRAM for about 10 layers: streaming slots do not fit
+    bounds = count_bounds(device_problem(SPEC, hw, WL, 0, 9))
+    infeasible = [b for b in bounds.values() if b.value_s == math.inf]
+    assert infeasible, "no configuration is infeasible here: the case tests nothing"
+    assert all(b.at(9) == math.inf and b.at(5) == -math.inf for b in infeasible)
+
+
+@pytest.mark.parametrize("gpu_mib", [3, 64])
+def test_the_count_milp_solved_with_known_lps_finds_what_it_finds_computing_them(gpu_mib):
+    """``solve(lp_bounds=...)`` (the LPs its stage was refined with) skips building the models
+    those LPs cut off, and decides exactly as without them."""
+    problem = device_problem(SPEC, tiny_node(gpu_mib / 1024), WL, 0, 6)
+    known = {c: b.value_s for c, b in count_bounds(problem).items()}
+    alone, given = solve(problem), solve(problem, lp_bounds=known)
+    assert given.decision == alone.decision
+    assert (given.status, given.objective_s, given.bound_s) == (alone.status, alone.objective_s, alone.bound_s)
