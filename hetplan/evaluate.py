@@ -118,6 +118,13 @@ def kv_source_bytes_per_byte(problem: Problem) -> float:
     return spec.kv_elems_per_token() * cost.activation_bytes_per_elem(spec) / per_token if per_token else 0.0
 
 
+def kv_down_source_bytes(problem: Problem, block) -> float:
+    """The GPU bytes the prefill's copy of ``block``'s prompt K/V to a cache in DRAM holds until
+    it ends (``hetplan.plan.pending``: the copy's bytes times ``kv_source_bytes_per_byte``)."""
+    wl = problem.workload
+    return wl.batch * wl.prompt_len * block.kv_bytes_per_token * kv_source_bytes_per_byte(problem)
+
+
 def with_copies_out(memory: dict, problem: Problem, schedule: dict) -> dict:
     """``memory`` with the GPU bytes that copies to the host leave waiting (the most over both
     phases, ``hetplan.plan.pending``) as ``breakdown.gpu.copies_out``, added to ``gpu_bytes``."""

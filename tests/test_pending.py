@@ -175,3 +175,32 @@ def test_a_plan_that_under_reports_its_waiting_copies_is_refused(deepseek_plan):
     with pytest.raises(PlanInvalid, match="copies_out"):
         check_plan(bad)
     assert simulate(bad).waiting_bytes == simulate(deepseek_plan).waiting_bytes
+
+
+@pytest.mark.parametrize("gpu_mib", [48, 64])
+def test_the_milp_reserves_what_a_copy_of_the_prompt_kv_holds_so_one_solve_fits(gpu_mib):
+    """A plan whose prefill attention runs on the GPU with its cache in DRAM holds the prompt's
+    K/V rows in HBM until each copy ends. The MILP reserves the largest such copy, so its plan
+    fits at the first solve (no HBM held back for a second), its copies hold exactly that, and it
+    is at least as fast as the plan solved with that HBM held back from the start."""
+    from hetplan.compiler import decide
+    from hetplan.evaluate import kv_down_source_bytes, objective_s, plan_within_budget
+
+    problem = build_problem(tiny_spec(n_layers=8), tiny_node(gpu_mib / 1024),
+                            Workload(batch=8, prompt_len=1024, gen_len=64, objective="latency", prefill_chunk=1024))
+    req = CompileRequest(model="tiny", hw="tiny")
+    held = []
+
+    def solve(p):
+        held.append(p.gpu_held_back_bytes)
+        return decide(p, "ilp", None, req)
+    plan, _, _ = plan_within_budget(problem, solve)
+    copies = [p for p in plan.placement if p["kind"] == "attn" and p["exec"]["prefill"] != "cpu" and p["kv"] == "cpu"]
+    src = kv_down_source_bytes(problem, problem.graph.block("attn_0"))
+    gpu = plan.memory["breakdown"]["gpu"]
+    assert copies and held == [0.0]
+    assert gpu["copies_out"] == src
+    assert plan.memory["gpu_bytes"] <= plan.memory["gpu_budget_bytes"]
+    assert plan.memory["gpu_bytes"] - gpu["copies_out"] <= problem.gpu_budget_bytes - src
+    before, _, _ = plan_within_budget(problem.held_back(src), solve)
+    assert plan.solver["objective_s"] <= objective_s(problem, before.predicted) * (1 + 1e-9)

@@ -49,8 +49,24 @@ def add_kv_beside_compute(prob, r, s, k, blocks, phases, has_core_stage):
                 prob += k[b.name] >= on_gpu, f"kv_with_block_{b.name}_{p}"
 
 
+def add_kv_copy_held(prob, r, s, k, blocks, has_core, source_bytes, held_back, unit):
+    """The HBM copies of the prompt's K/V to DRAM caches hold (``hetplan.plan.pending``): a
+    block whose prefill attention runs on the GPU (``r_b + s_b,prefill``) with its cache in DRAM
+    (``1 - k_b``) copies it down after the attention, and the source rows wait in HBM until the
+    copy ends; so the plan's GPU peak holds at least the largest such copy, and at least the HBM
+    the problem holds back already for what its copies hold (``Problem.held_back``):
+        H >= held_back,   H >= src_b (r_b + s_b,prefill - k_b)   (attention blocks with a core)
+    -> H (in units), which ``add_memory`` counts against the budget plus what is held back."""
+    held = pulp.LpVariable("kv_copy_held", lowBound=held_back / unit)
+    for b in blocks:
+        if has_core.get(b.name) and source_bytes.get(b.name, 0.0) > 0:
+            on_gpu = r[b.name] + s.get((b.name, "prefill"), 0)
+            prob += held >= (source_bytes[b.name] / unit) * (on_gpu - k[b.name]), f"kv_copy_held_{b.name}"
+    return held
+
+
 def add_memory(prob, resident, r, s, k, slot, blocks, phases, depth, gpu_budget, cpu_budget, gpu_ws, cpu_ws,
-               unit):
+               unit, held=None, held_back: float = 0.0):
     """Memory per tier (in units of ``unit`` bytes). The staging slot holds the largest streamed
     block; with size classes W_1 > W_2 > ... of streamable blocks and binaries z_c (some block of
     size >= W_c is streamed in some phase):
@@ -60,7 +76,8 @@ def add_memory(prob, resident, r, s, k, slot, blocks, phases, depth, gpu_budget,
         GPU:  sum_b R_b + sum_b KV_b k_b + depth*slot + ws_gpu v <= budget_gpu
         CPU:  sum_b (W_b - R_b) + sum_b KV_b (1 - k_b) + ws_cpu <= budget_cpu
     where R_b, the block's resident bytes, is W_b r_b (an MoE block: its dense part r_b plus its
-    hot experts, ``experts``)."""
+    hot experts, ``experts``). ``held``: the HBM copies to the host hold (``add_kv_copy_held``),
+    added to the GPU's bytes against its budget plus ``held_back`` (which ``held`` covers)."""
     gpu = pulp.lpSum(resident[b.name] for b in blocks)
     gpu += pulp.lpSum((b.kv_bytes / unit) * k[b.name] for b in blocks if b.name in k)
     used = pulp.LpVariable("gpu_used", cat="Binary")
@@ -69,6 +86,9 @@ def add_memory(prob, resident, r, s, k, slot, blocks, phases, depth, gpu_budget,
         for p in phases:
             if (b.name, p) in s:
                 prob += used >= s[b.name, p], f"gpu_used_{b.name}_{p}"
+    if held is not None:
+        gpu += held
+        gpu_budget += held_back
     prob += gpu + depth * slot + (gpu_ws / unit) * used <= gpu_budget / unit, "gpu_mem"
     cpu = pulp.lpSum(b.weight_bytes / unit - resident[b.name] for b in blocks)
     cpu += pulp.lpSum((b.kv_bytes / unit) * (1 - k[b.name]) for b in blocks if b.name in k)

@@ -2,21 +2,22 @@
 
 The count MILP of ``n`` alike layers (``layers.LayerModel``) depends on ``n`` in three places
 only: the right-hand side of ``sum_o n_o = n``, the upper bounds ``n_o <= n`` and ``y <= n - 1``
-(the arcs between consecutive layers), and the coefficient of ``gpu_used`` in
-``n gpu_used >= sum of the layers that use the GPU``. Solve its LP relaxation at ``n``; HiGHS's
-optimal duals (row duals ``y``, reduced costs ``d = c - A^T y``) stay feasible for the dual of
-the relaxation at any other count ``m``: no column's cost changes, and the one coefficient that
-does sits in ``gpu_used``'s column, whose bounds are finite, where any reduced cost is feasible.
-So by weak duality, for every ``m``
+(the arcs between consecutive layers), and the coefficient of each binary that says whether any
+layer does something (``LayerModel.scaled``: ``gpu_used``, ``n gpu_used >= the layers that use
+the GPU``). Solve its LP
+relaxation at ``n``; HiGHS's optimal duals (row duals ``y``, reduced costs ``d = c - A^T y``) stay
+feasible for the dual of the relaxation at any other count ``m``: no column's cost changes, and
+the coefficients that do sit in those binaries' columns, whose bounds are finite, where any
+reduced cost is feasible. So by weak duality, for every ``m``
 
     LP(m) >= offset + sum_r y_r side_r(m) + sum_j d_j(m) bound_j(m)
 
 (``side_r``: row ``r``'s lower bound where ``y_r > 0``, its upper where ``y_r < 0``; ``bound_j``:
 column ``j``'s lower bound where ``d_j > 0``, its upper where ``d_j < 0``), which is
 
-    base + per_layer m + min(0, d_used - (m - n) y_used_row)
+    base + per_layer m + sum over those binaries of min(0, d_j - (m - n) y_row(j))
 
-a line in ``m`` and a concave piece; at ``m = n`` it is the LP's value (strong duality, checked
+a line in ``m`` and concave pieces; at ``m = n`` it is the LP's value (strong duality, checked
 to ``DUALITY_TOLERANCE``; a certificate that fails the check bounds ``n`` alone). The arcs
 between layers exist only from two layers on, so a certificate from ``n >= 2`` bounds every
 ``m >= 2`` and one from ``n = 1`` bounds ``m = 1`` alone. Each LP relaxation is a lower bound on
@@ -53,8 +54,9 @@ class CountBound:
     base: float = -math.inf
     """Weighted ms: the dual objective's part that does not move with ``m`` (-inf: bounds ``n`` alone)."""
     per_layer: float = 0.0
-    used_dual: float = 0.0
-    used_row_dual: float = 0.0
+    scaled: tuple = ()
+    """(reduced cost, its row's dual) of each binary whose coefficient in its row is the layer
+    count (``LayerModel.scaled``)."""
     margin_s: float = 0.0
     """Subtracted from every bound but ``n``'s: the duality gap the check allowed, and rounding."""
 
@@ -65,8 +67,8 @@ class CountBound:
             return self.value_s
         if self.base == -math.inf or m < 2 or self.n < 2:
             return -math.inf
-        d_used = self.used_dual - (m - self.n) * self.used_row_dual
-        return (self.base + self.per_layer * m + min(0.0, d_used)) / MS - self.margin_s
+        moved = sum(min(0.0, d - (m - self.n) * y) for d, y in self.scaled)
+        return (self.base + self.per_layer * m + moved) / MS - self.margin_s
 
 
 def count_bound(model: LayerModel, opts) -> CountBound:
@@ -89,10 +91,10 @@ def count_bound(model: LayerModel, opts) -> CountBound:
     counts = [v.index for v in model.n.values()]
     between = [v.index for k, (v, _) in model.arcs.items() if k[0] == "M" and k[2] == "A"]
     per_layer = y[rows["every_layer"].index] + sum(min(0.0, d[j]) for j in counts + between)
-    used_dual = d[model.used.index]
-    base = dual - per_layer * n - min(0.0, used_dual)
+    scaled = tuple((d[v.index], y[rows[row].index]) for v, row in model.scaled)
+    base = dual - per_layer * n - sum(min(0.0, dv) for dv, _ in scaled)
     margin = (abs(dual - value) + 1e-9 * abs(value)) / MS
-    return CountBound(n, stated, base, per_layer, used_dual, y[rows["gpu_used_layers"].index], margin)
+    return CountBound(n, stated, base, per_layer, scaled, margin)
 
 
 def _paired(duals, lower, upper) -> float:

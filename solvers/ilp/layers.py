@@ -30,7 +30,9 @@ A gap also waits for a load no faster than the buses allow (``_Prices.gap``,
 bound once tasks share a bus (``hetplan.buses``).
 
 Memory per tier as in ``constraints.add_memory``, with the staging slot fixed per
-configuration. An integral flow is a path from embed to head plus, possibly, cycles the path
+configuration; a dense model's MILP is solved in two KV modes (``kv_copies``): with the HBM the
+largest copy of a prompt's KV to a DRAM cache holds reserved (a constant: every layer is alike),
+or with no layer copying its KV down (``constraints.add_kv_copy_held`` is the per-block form). An integral flow is a path from embed to head plus, possibly, cycles the path
 never visits; those are cut off (a layer in a set S of nodes is followed by a node outside S:
 L * sum(arcs leaving S) >= sum_(o in S) n_o) and the model solved again.
 
@@ -142,6 +144,25 @@ def block_options(problem: Problem, block, slot_bytes: float) -> list:
     return out
 
 
+def _copies_down(blocks, opts) -> bool:
+    """Whether ``blocks`` in ``opts`` copy a prompt's KV down: an attention block prefilled on
+    the GPU with its cache in DRAM."""
+    return any(b.kind == "attn" and o.k == 0 and o.g("prefill") > 0 for b, o in zip(blocks, opts))
+
+
+def kv_copy_held_bytes(problem: Problem) -> float:
+    """The most HBM one copy of a prompt's KV to a DRAM cache holds (``hetplan.plan.pending``)."""
+    from hetplan.evaluate import kv_down_source_bytes
+
+    return max((kv_down_source_bytes(problem, b) for b in problem.blocks if b.kind == "attn"), default=0.0)
+
+
+def copies_kv(problem: Problem) -> bool:
+    """Whether the count MILP is solved in two KV modes (``LayerModel``'s ``kv_copies``): a
+    dense model whose prompt KV a copy to DRAM would hold in HBM."""
+    return not problem.experts and kv_copy_held_bytes(problem) > 0
+
+
 class _Prices:
     """Durations, gaps and bytes of block options in one configuration."""
 
@@ -227,14 +248,21 @@ class LayerModel:
     docstring. A gap depends only on the options of the two blocks it lies between, so layer
     pairs are priced on their (M, A) arc, not per pair of whole-layer options."""
 
-    def __init__(self, problem: Problem, shape: Layers, depth: int, slot_bytes: float, unit: float):
+    def __init__(self, problem: Problem, shape: Layers, depth: int, slot_bytes: float, unit: float,
+                 kv_copies: bool | None = None):
+        """``kv_copies`` (``copies_kv``): True, the HBM the largest copy of a prompt's KV to a
+        DRAM cache holds is reserved (``constraints.add_kv_copy_held``, here a constant: every
+        layer is alike); False, no layer takes an option that copies its KV down; None, neither
+        (an MoE model, whose chain DP leaves those bytes to the compiler's rounds)."""
         self.problem, self.shape, self.depth, self.slot_bytes = problem, shape, depth, slot_bytes
+        self.kv_copies = kv_copies
         prices = _Prices(problem, depth)
         first, last, layer = shape.first, shape.last, shape.layers[0]
         self.L = L = len(shape.layers)
         self.first_opts = block_options(problem, first, slot_bytes)
         self.last_opts = block_options(problem, last, slot_bytes)
-        self.layer_opts = list(itertools.product(*(block_options(problem, b, slot_bytes) for b in layer)))
+        self.layer_opts = [opts for opts in itertools.product(*(block_options(problem, b, slot_bytes) for b in layer))
+                           if kv_copies is not False or not _copies_down(layer, opts)]
         self.enter = enter = sorted({o[0] for o in self.layer_opts}, key=self._key)
         self.leave = leave = sorted({o[-1] for o in self.layer_opts}, key=self._key)
         prob = self.prob = pulp.LpProblem(f"hetplan_layers_depth{depth}_slot{int(slot_bytes)}", pulp.LpMinimize)
@@ -280,6 +308,7 @@ class LayerModel:
         last_h = {h: into["H", h] for h in range(len(self.last_opts))}
         self._add_bus_bounds(prices, first, layer, last, out, into)
         used = self.used = pulp.LpVariable("gpu_used", cat="Binary")
+        self.scaled = [(used, "gpu_used_layers")]   # binaries whose coefficient in their row is L
         for on_gpu in (True, False):
             expr = _linear([(v, tier_bytes(layer, self.layer_opts[o], on_gpu)) for o, v in self.n.items()]
                            + [(v, tier_bytes((first,), (self.first_opts[e],), on_gpu))
@@ -288,7 +317,12 @@ class LayerModel:
                               for h, vs in last_h.items() for v in vs])
             if on_gpu:
                 expr += depth * slot_bytes / unit + problem.gpu_workspace_bytes / unit * used
-                prob += expr <= problem.gpu_budget_bytes / unit, "gpu_mem"
+                if kv_copies:   # what the largest copy of the prompt's KV holds, or what is held back
+                    held = problem.gpu_held_back_bytes
+                    expr += max(held, kv_copy_held_bytes(problem)) / unit
+                    prob += expr <= (problem.gpu_budget_bytes + held) / unit, "gpu_mem"
+                else:
+                    prob += expr <= problem.gpu_budget_bytes / unit, "gpu_mem"
             else:
                 prob += expr + problem.cpu_workspace_bytes / unit <= problem.cpu_budget_bytes / unit, "cpu_mem"
         on_gpu = lambda opts: any(o.g(p) for o in opts for p in PHASES)  # noqa: E731

@@ -125,9 +125,17 @@ class _Model:
         C.add_kv_beside_compute(self.prob, self.r, self.s, self.k, blocks, PHASES, self.has_core)
         if slot_bytes is None:
             C.add_slot_size(self.prob, self.s, self.sigma, blocks, PHASES, unit)
+        held = None
+        if not problem.experts:   # (the MoE chain DP leaves it to the compiler's rounds, as this MILP then does)
+            from hetplan.evaluate import kv_down_source_bytes
+
+            source = {b.name: kv_down_source_bytes(problem, b) for b in blocks if b.kind == "attn"}
+            held = C.add_kv_copy_held(self.prob, self.r, self.s, self.k, blocks, self.has_core, source,
+                                      problem.gpu_held_back_bytes, unit)
         C.add_memory(self.prob, resident, self.r, self.s, self.k, self.sigma, blocks, PHASES, depth,
                      problem.gpu_budget_bytes, problem.cpu_budget_bytes,
-                     problem.gpu_workspace_bytes, problem.cpu_workspace_bytes, unit)
+                     problem.gpu_workspace_bytes, problem.cpu_workspace_bytes, unit,
+                     held, problem.gpu_held_back_bytes)
         for p in PHASES:
             self._timeline(p)
         # (2) objective ----------------------------------------------------------------------
@@ -382,12 +390,24 @@ def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
     return IlpResult(dec, status, gap_of(obj, bound), obj, bound, secs, *size)
 
 
+def _layer_model(problem: Problem, shape, config: tuple, unit: float) -> LayerModel:
+    """The count MILP of ``config`` (``count_configurations``; KV mode None: both modes'
+    relaxation)."""
+    return LayerModel(problem, shape, config[0], config[1], unit, kv_copies=config[2])
+
+
+def _kv_copies(config: tuple):
+    """A count MILP configuration's ``kv_copies`` (``count_configurations``); None for another."""
+    return config[2] if len(config) > 2 else None
+
+
 def _say_configuration(i: int, configs: list, results: list) -> None:
     """The progress activity before configuration ``i``: which one, and the previous one's
     status, incumbent and bound."""
-    depth, slot = configs[i]
+    depth, slot = configs[i][:2]
+    copies = {True: ", prompt KV copied down", False: ", prompt KV kept"}.get(_kv_copies(configs[i]), "")
     what = f"MILP {i + 1} of {len(configs)} (staging depth {depth}" + (
-        f", slot {slot / 2**20:.0f} MiB)" if slot is not None else ")")
+        f", slot {slot / 2**20:.0f} MiB" if slot is not None else "") + f"{copies})"
     last = ""
     if results:
         r = results[-1]
@@ -415,11 +435,24 @@ def lp_bound_s(problem: Problem, opts: IlpOptions | None = None, floor: float = 
     return least
 
 
+def count_configurations(problem: Problem, depths) -> list:
+    """(depth, slot, kv_copies) of every count MILP: ``configurations``, each solved twice
+    where the prompt's KV may be copied down to DRAM caches (``kv_copies`` True: the HBM the
+    largest copy holds is reserved; False: no layer copies its KV down, ``layers.LayerModel``),
+    which keeps a binary with a big coefficient (``L used >= the layers that copy``) out of the
+    MILP; else once (None)."""
+    from hetplan.solvers.ilp.layers import copies_kv
+
+    modes = (True, False) if copies_kv(problem) else (None,)
+    return [(d, w, c) for d, w in configurations(problem, depths, True) for c in modes]
+
+
 def count_bounds(problem: Problem, opts: IlpOptions | None = None) -> dict | None:
     """{configuration: ``counts.CountBound``}: the LP relaxation of the count MILP of every
-    configuration, each read as a lower bound on that configuration at every layer count of the
-    same kind of stage (``counts``); the least over configurations at this problem's count is
-    ``lp_bound_s`` (without a floor). None where ``lp_bound_s`` is."""
+    configuration (both KV modes at once: the model that reserves nothing for copies of the
+    prompt's KV relaxes both), each read as a lower bound on that configuration at every layer
+    count of the same kind of stage (``counts``); the least over configurations at this
+    problem's count is ``lp_bound_s`` (without a floor). None where ``lp_bound_s`` is."""
     from hetplan.solvers.ilp.counts import count_bound
 
     opts = opts or IlpOptions()
@@ -428,7 +461,7 @@ def count_bounds(problem: Problem, opts: IlpOptions | None = None) -> dict | Non
         return None
     unit = memory_unit(problem)
     return {c: count_bound(LayerModel(problem, shape, *c, unit), opts)
-            for c in dict.fromkeys(configurations(problem, opts.depths, True))}
+            for c in configurations(problem, opts.depths, True)}
 
 
 def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | None = None) -> IlpResult:
@@ -449,17 +482,20 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
         return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
     shape = layered(problem) if opts.count_layers and not opts.stream_cold else None
     results = []
-    configs = configurations(problem, opts.depths, bool(problem.experts) or shape is not None)
+    configs = count_configurations(problem, opts.depths) if shape is not None else \
+        configurations(problem, opts.depths, bool(problem.experts))
     layer_models = {}   # built when needed: a configuration its LP bound cuts off needs none
-    if shape is not None:  # the count MILPs, in order of their LP bounds
+    if shape is not None:  # the count MILPs, in order of the LP bounds of their (depth, slot)
         unit = memory_unit(problem)
 
         def layer_model(c):
             if c not in layer_models:
-                layer_models[c] = LayerModel(problem, shape, c[0], c[1], unit)
+                layer_models[c] = _layer_model(problem, shape, c, unit)
             return layer_models[c]
         known = lp_bounds or {}
-        lp = {c: known[c] if c in known else layer_model(c).lp_bound_s(opts) for c in configs}
+        relaxed = {c[:2]: known[c[:2]] if c[:2] in known else layer_model(c[:2] + (None,)).lp_bound_s(opts)
+                   for c in configs}   # (both KV modes' relaxation)
+        lp = {c: relaxed[c[:2]] for c in configs}
         configs = sorted(configs, key=lambda c: (lp[c], configs.index(c)))
     t_setup = time.perf_counter()
     chains, weights = _chains(problem, configs, opts) if shape is None else ({}, None)
@@ -467,9 +503,11 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
         dual = {c: ch.lagrangian()[2] for c, ch in chains.items()}
         configs = sorted(configs, key=lambda c: (dual.get(c, float("-inf")), configs.index(c)))
     t_setup = time.perf_counter() - t_setup
-    for i, (depth, slot) in enumerate(configs):
+    for i, config in enumerate(configs):
+        depth, slot = config[:2]
         _say_configuration(i, configs, results)
-        tag = f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}"
+        tag = (f".depth{depth}" if slot is None else f".depth{depth}.slot{int(slot)}") + \
+            {True: ".kvdown", False: ".kvkept"}.get(_kv_copies(config), "")
         dump = f"{opts.dump_lp.removesuffix('.lp')}{tag}.lp" if opts.dump_lp else None
         found = [r.objective_s for r in results if r.decision is not None]
         cutoff = min(found) if found else None
@@ -477,13 +515,16 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
         res = None
         if shape is not None:
             config_opts = IlpOptions(**{**config_opts.__dict__, "max_nodes": opts.max_nodes * COUNT_NODES_PER_NODE})
-            if cutoff is not None and lp[depth, slot] >= cutoff * (1 - opts.mip_rel_gap):
+            beaten = cutoff is not None and lp[config] >= cutoff * (1 - opts.mip_rel_gap)
+            if cutoff is not None and _kv_copies(config) is not None and not beaten:
+                lp[config] = max(lp[config], layer_model(config).lp_bound_s(opts))   # this KV mode's own
+            if cutoff is not None and lp[config] >= cutoff * (1 - opts.mip_rel_gap):
                 # its LP bound proves it cannot beat the plan found (within the gap tolerance)
-                size = layer_models[depth, slot].size() if (depth, slot) in layer_models else (0, 0)
-                results.append(IlpResult(None, "optimal", 0.0, float("inf"), min(lp[depth, slot], cutoff),
+                size = layer_models[config].size() if config in layer_models else (0, 0)
+                results.append(IlpResult(None, "optimal", 0.0, float("inf"), min(lp[config], cutoff),
                                          0.0, *size))
                 continue
-            res = _solve_layers(problem, layer_model((depth, slot)), config_opts, cutoff)
+            res = _solve_layers(problem, layer_model(config), config_opts, cutoff)
         if res is None and (depth, slot) in chains:
             res = _solve_chain(chains[depth, slot], weights, config_opts, cutoff)
         if res is None:
