@@ -13,6 +13,8 @@ Knows the MILP's formulas (``objective``, ``experts``); knows nothing about how 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,7 +193,21 @@ def tables(problem, slot_bytes, stream_cold: bool, depth: int, cache: dict | Non
             if b.name in problem.experts.get("decode", {}) else None
         key = (b.name, streams, None if colds is None else tuple(colds.items()))
         if key not in cache:
-            cache[key] = block_table(problem, b, slot_bytes, stream_cold, depth, cache["core"], cache["costs"],
-                                     cache.setdefault("split_bytes", {}))
+            alike = (_signature(problem, b, cache), streams, key[2])   # blocks that cost alike share a table
+            if alike not in cache:
+                cache[alike] = block_table(problem, b, slot_bytes, stream_cold, depth, cache["core"],
+                                           cache["costs"], cache.setdefault("split_bytes", {}))
+            cache[key] = dataclasses.replace(cache[alike], name=b.name)
         out.append(cache[key])
     return out
+
+
+def _signature(problem, b, cache: dict) -> tuple:
+    """What ``block_table`` reads of block ``b`` besides its name: two blocks with equal
+    signatures have equal tables (the layers of a model, routed alike)."""
+    costs = cache["costs"]
+    split = tuple(id(x) for x in (problem.experts.get(p, {}).get(b.name) for p in PHASES) if x is not None)
+    return ("block", b.kind, b.weight_bytes, b.kv_bytes, b.streamable, problem.load_s.get(b.name),
+            cache["core"].get(b.name), split,
+            tuple((c.stage.kind, c.stage.follows, c.stage.work.bytes, c.gpu_s, c.cpu_s, c.up_s, c.down_s)
+                  for p in PHASES for c in costs[p][b.name]))
