@@ -6,13 +6,15 @@ few tenths of a second); each is a pure function of its inputs, so running them 
 changes only how long the search takes, never what it finds. Fork (not spawn) because a child
 starts in milliseconds with everything this process has built (problems, bounds, imports), and
 hands back its results pickled through a pipe: bytes from a child of this process, never read
-from a file. A child that dies or cannot send its results costs only time: its items are
+from a file. The child does not collect garbage (its collector would write to, so copy, every
+page it shares with this process). A child that dies or cannot send its results costs only time: its items are
 computed again here. An exception a child raises is raised here. ``HETPLAN_JOBS`` sets how many
 processes run at once (default: the CPUs this process may run on; 1: no child).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -69,11 +71,14 @@ def forked_map(fn: Callable, items: list, n_jobs: int | None = None) -> list:
 def _fork(fn: Callable, items: list) -> tuple:
     """Fork a child computing ``[fn(x) for x in items]`` -> (pid, read end of its pipe)."""
     read, write = os.pipe()
+    gc.freeze()   # the child's collector would touch, so copy, every page this process has
     pid = os.fork()
     if pid:
+        gc.unfreeze()
         os.close(write)
         return [pid, read]
-    os.close(read)   # the child: never returns
+    gc.disable()   # the child: short-lived, and never returns
+    os.close(read)
     try:
         from hetplan import progress
 
