@@ -18,7 +18,7 @@ from hetplan import progress
 from hetplan.dtypes import BITS_PER_ELEMENT
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.evaluate import fits, objective_s, plan_within_budget, predictions
-from hetplan.forked import cpu_seconds
+from hetplan.pipeline.forked import cpu_seconds
 from hetplan.hardware import HardwareSpec
 from hetplan.model import ModelSpec
 from hetplan.pipeline.topology import Topology
@@ -337,7 +337,7 @@ class CompileTime:
     every MILP, plan assembly; every batch of a throughput search)."""
     wall_s: float
     cpu_s: float
-    """CPU time of the process (all threads) and of the children it forked (``hetplan.forked``)."""
+    """CPU time of the process (all threads) and of the children it forked (``hetplan.pipeline.forked``)."""
     solve_s: float
     """Of which the solver's own time (the MILPs, or a baseline's decision)."""
 

@@ -122,7 +122,7 @@ def quiet() -> None:
 
 
 def detach() -> None:
-    """In a forked child (``hetplan.forked``): no sink, so it never takes the parent's lock,
+    """In a forked child (``hetplan.pipeline.forked``): no sink, so it never takes the parent's lock,
     which the parent's heartbeat thread may have held at the fork; the parent reports."""
     _SINK.set(None)
 

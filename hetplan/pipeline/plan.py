@@ -182,7 +182,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     one cache, is taken when it is as fast. A split of 2 to ``D - 1`` stages is so priced with
     more caches than it will hold, so the search may miss one that only fits, or is only
     faster, with its own count (never on two devices); the plan it returns is sized consistently."""
-    from hetplan.forked import forked_map
+    from hetplan.pipeline.forked import forked_map
     from hetplan.solvers.ilp.counts import envelope
     from hetplan.solvers.pipeline import best_split
 

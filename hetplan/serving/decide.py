@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from hetplan.compiler import CompileRequest, CompileTime, compile_plan, load_machine, parse_strategy, several_devices
 from hetplan.errors import HetplanError, InfeasibleError
-from hetplan.forked import cpu_seconds
+from hetplan.pipeline.forked import cpu_seconds
 from hetplan.pipeline.compile import BOUND_ROUNDING
 from hetplan.pipeline.plan import Outclassed
 from hetplan.pipeline.record import replicas_of

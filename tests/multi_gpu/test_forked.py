@@ -1,11 +1,11 @@
-"""``hetplan.forked``: the items of a map shared with forked children, the answers as a loop's."""
+"""``hetplan.pipeline.forked``: the items of a map shared with forked children, the answers as a loop's."""
 
 import os
 
 import pytest
 
 from hetplan.errors import HetplanError
-from hetplan.forked import cpu_seconds, forked_map, jobs
+from hetplan.pipeline.forked import cpu_seconds, forked_map, jobs
 
 
 def test_the_map_is_the_loop_in_order_with_children_doing_part_of_it():
