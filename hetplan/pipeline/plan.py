@@ -198,22 +198,30 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     plans, bounds, stage_bounds, learnt = _memos(solve_stage, spec, wl)
     relaxed: dict = {}   # stage key -> {configuration: its LP's value}, of the stages refined
 
+    def solved(s, n_kv=None):   # the stage's plan (pure: it may run in a forked child)
+        k, a, b = s
+        n_kv = copies if n_kv is None else n_kv
+        problem = device_problem(spec, machines[k], wl, a, b, n_kv)
+        if n_kv == copies and key(*s) in relaxed:   # its LPs, solved when it was refined
+            return solve_stage(problem, lp_bounds=relaxed[key(*s)])
+        return solve_stage(problem)
+
     def stage_plan(k, a, b, n_kv=None):
         n_kv = copies if n_kv is None else n_kv
         if (key(k, a, b), n_kv) not in plans:
-            plans[key(k, a, b), n_kv] = solve_stage(device_problem(spec, machines[k], wl, a, b, n_kv))
+            plans[key(k, a, b), n_kv] = solved((k, a, b), n_kv)
         return plans[key(k, a, b), n_kv]
 
     seconds, lower, link = _pricing(spec, topo, wl, objective, machines, stage_bounds)
     cheap = getattr(solve_stage, "lower_bound", None)
     counted = getattr(solve_stage, "count_bounds", None)
+    refines = cheap is not None and objective == "sum"   # the stage's objective is the DP's seconds only under ``sum``
 
-    def family(k, a, b):   # stages alike but for their layer count
-        at = key(k, a, b)
+    def family(at):   # the kind of stage of key ``at``: alike but for the layer count
         return at[:1] + at[2:]
 
     def taught(at):   # the LP bound of the stages of key ``at`` that its family's refinements learnt
-        return envelope(learnt.get(at[:1] + at[2:], {}), at[1])
+        return envelope(learnt.get(family(at), {}), at[1])
 
     def refined(s):   # what refining stage ``s`` finds (pure: it may run in a forked child)
         k, a, b = s
@@ -224,28 +232,21 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def learn(s, found) -> None:
         if isinstance(found, dict):   # every configuration's LP, each a bound on every length of this kind of stage
             for config, bound in found.items():
-                learnt.setdefault(family(*s), {}).setdefault(config, []).append(bound)
+                learnt.setdefault(family(key(*s)), {}).setdefault(config, []).append(bound)
             relaxed[key(*s)] = {config: bound.value_s for config, bound in found.items()}
             found = min(relaxed[key(*s)].values())
         bounds[key(*s)] = found
 
-    def refine(k, a, b):   # the stage's objective is the DP's seconds only under ``sum``
-        if not cheap or objective != "sum":
+    def refine(k, a, b):
+        if not refines:
             return None
         if key(k, a, b) not in bounds:
             learn((k, a, b), refined((k, a, b)))
         return bounds[key(k, a, b)]
 
-    def solved(s):   # the stage's plan (pure: it may run in a forked child)
-        k, a, b = s
-        problem = device_problem(spec, machines[k], wl, a, b, copies)
-        if key(*s) in relaxed:   # its LPs, solved when it was refined
-            return solve_stage(problem, lp_bounds=relaxed[key(*s)])
-        return solve_stage(problem)
-
     def prepare(stages, refining):   # the stages the search asks for next, side by side
         if refining:
-            todo = [s for s in stages if cheap and objective == "sum" and key(*s) not in bounds]
+            todo = [s for s in stages if refines and key(*s) not in bounds]
             for s, found in zip(todo, forked_map(refined, todo)):
                 learn(s, found)
         else:

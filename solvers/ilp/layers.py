@@ -33,7 +33,8 @@ Memory per tier as in ``constraints.add_memory``, with the staging slot fixed pe
 configuration; a dense model's MILP is solved in two KV modes (``kv_copies``): with the HBM the
 largest copy of a prompt's KV to a DRAM cache holds reserved (a constant: every layer is alike),
 or with no layer copying its KV down (``constraints.add_kv_copy_held`` is the per-block form).
-An integral flow is a path from embed to head plus, possibly, cycles the path never visits; those are cut off (a layer in a set S of nodes is followed by a node outside S:
+An integral flow is a path from embed to head plus, possibly, cycles the path never visits;
+those are cut off (a layer in a set S of nodes is followed by a node outside S:
 L * sum(arcs leaving S) >= sum_(o in S) n_o) and the model solved again.
 
 Left out: the prompt's KV copied down in prefill (``kv_down`` on d2h) runs beside the chain;
@@ -255,7 +256,6 @@ class LayerModel:
         layer is alike); False, no layer takes an option that copies its KV down; None, neither
         (an MoE model, whose chain DP leaves those bytes to the compiler's rounds)."""
         self.problem, self.shape, self.depth, self.slot_bytes = problem, shape, depth, slot_bytes
-        self.kv_copies = kv_copies
         prices = _Prices(problem, depth)
         first, last, layer = shape.first, shape.last, shape.layers[0]
         self.L = L = len(shape.layers)

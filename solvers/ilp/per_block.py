@@ -390,6 +390,12 @@ def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
     return IlpResult(dec, status, gap_of(obj, bound), obj, bound, secs, *size)
 
 
+def _count_shape(problem: Problem, opts: IlpOptions):
+    """The model as embed, alike layers, head (``layers.layered``) where the count MILP decides
+    it, else None (no GPU, options that turn the count MILP off, layers that differ)."""
+    return layered(problem) if problem.has_gpu and opts.count_layers and not opts.stream_cold else None
+
+
 def _layer_model(problem: Problem, shape, config: tuple, unit: float) -> LayerModel:
     """The count MILP of ``config`` (``count_configurations``; KV mode None: both modes'
     relaxation)."""
@@ -423,7 +429,7 @@ def lp_bound_s(problem: Problem, opts: IlpOptions | None = None, floor: float = 
     without a GPU. ``floor``: a bound known already; the configurations stop as soon as one's LP
     is at or below it (the least cannot beat it then), and that one is returned."""
     opts = opts or IlpOptions()
-    shape = layered(problem) if problem.has_gpu and opts.count_layers and not opts.stream_cold else None
+    shape = _count_shape(problem, opts)
     if shape is None:
         return None
     unit = memory_unit(problem)
@@ -456,7 +462,7 @@ def count_bounds(problem: Problem, opts: IlpOptions | None = None) -> dict | Non
     from hetplan.solvers.ilp.counts import count_bound
 
     opts = opts or IlpOptions()
-    shape = layered(problem) if problem.has_gpu and opts.count_layers and not opts.stream_cold else None
+    shape = _count_shape(problem, opts)
     if shape is None:
         return None
     unit = memory_unit(problem)
@@ -480,7 +486,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
         return IlpResult(all_cpu(problem), "optimal", 0.0, None, None, 0.0, 0, 0)
-    shape = layered(problem) if opts.count_layers and not opts.stream_cold else None
+    shape = _count_shape(problem, opts)
     results = []
     configs = count_configurations(problem, opts.depths) if shape is not None else \
         configurations(problem, opts.depths, bool(problem.experts))
