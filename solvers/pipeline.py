@@ -89,20 +89,43 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     if objective not in ("sum", "max"):
         raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
     L, K = n_layers, n_gpus
-    every = [(k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)]
-    keys = {s: key(*s) if key else s for s in every}
-    bound = {s: lower(*s) if lower else 0.0 for s in every}
+    keys, bound = {}, {}   # stage -> its key, its lower bound
+    for k in range(K):
+        for a in range(L):
+            for b in range(a + 1, L + 1):
+                keys[k, a, b] = key(k, a, b) if key else (k, a, b)
+                bound[k, a, b] = lower(k, a, b) if lower else 0.0
     links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
+    stages_of: dict = {}  # key -> its stages
+    for s, x in keys.items():
+        stages_of.setdefault(x, []).append(s)
     price: dict = {}  # key -> seconds
     refined: dict = {}  # key -> the tighter lower bound (``refine``)
     useful = {True: 0, False: 0}  # refinements that raised a bound by more than REFINED, and not
     taught: dict = {}  # key -> ``learnt``'s bound
+    # the optimistic cost of every stage, opt[k][a][b]: its price where known, else the best of its
+    # bounds; known[k][a][b], that cost where its key was priced or refined (else -inf), which
+    # raises the stages containing it (``monotone``); both changed only where a key's value does
+    opt = [[[math.inf] * (L + 1) for _ in range(L + 1)] for _ in range(K)]
+    known = [[[-math.inf] * (L + 1) for _ in range(L + 1)] for _ in range(K)]
+    for (k, a, b), v in bound.items():
+        opt[k][a][b] = v
+    level: dict = {}  # key -> (value, priced) its stages were last set at
+
+    def lift(changed) -> None:   # the stages of keys whose price or bounds may have changed
+        for x in changed:
+            now = (price[x], True) if x in price else (max(refined.get(x, -math.inf), taught.get(x, -math.inf)), False)
+            if level.get(x, (-math.inf, False)) != now:
+                level[x] = now
+                v, priced = now
+                for k, a, b in stages_of[x]:
+                    opt[k][a][b] = v if priced else max(bound[k, a, b], v)
+            if x in price or x in refined:
+                for k, a, b in stages_of[x]:
+                    known[k][a][b] = opt[k][a][b]
+
     while True:
-        optimistic = {s: price.get(k, max(bound[s], refined.get(k, bound[s]), taught.get(k, bound[s])))
-                      for s, k in keys.items()}
-        if monotone:
-            _raise_to_contained(optimistic, {s for s in every if keys[s] in price or keys[s] in refined}, L, K)
-        cost, stages = _cheapest(optimistic, links, L, K, objective)
+        cost, stages = _cheapest(_raised(opt, known, L, K) if monotone else opt, links, L, K, objective)
         if not stages:
             return None
         if cost > ceiling:
@@ -123,13 +146,17 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
             if useful[False] > useful[True] + REFINE_SLACK:   # it rarely tightens here: price instead
                 refine = None
             if learnt is not None:
-                taught = {k: learnt(k) for k in set(keys.values())}
+                taught = {x: learnt(x) for x in stages_of}
+                lift(stages_of)
+            else:
+                lift({keys[s] for s in rough})
             continue
         if prepare is not None:
             prepare(_one_per_key(unpriced, keys), False)
         for s in unpriced:
             if keys[s] not in price:
                 price[keys[s]] = stage(*s)
+        lift({keys[s] for s in unpriced})
 
 
 def _one_per_key(stages: list, keys: dict) -> list:
@@ -150,68 +177,85 @@ def split_lower_bound(n_layers: int, n_gpus: int, link: Callable, objective: str
         raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
     L, K = n_layers, n_gpus
     by_key: dict = {}
-    bound = {}
-    for s in ((k, a, b) for k in range(K) for a in range(L) for b in range(a + 1, L + 1)):
-        x = key(*s) if key else s
-        if x not in by_key:
-            by_key[x] = lower(*s)
-        bound[s] = by_key[x]
-    links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
-    return _cheapest(bound, links, L, K, objective)[0]
-
-
-def _raise_to_contained(cost: dict, priced: set, L: int, K: int) -> None:
-    """Raise each stage's ``cost`` to the dearest priced stage it contains on the same GPU:
-    ``m(a, b) = max(price(a, b), m(a+1, b), m(a, b-1))``, shortest stages first."""
+    cost = [[[math.inf] * (L + 1) for _ in range(L + 1)] for _ in range(K)]
     for k in range(K):
-        inner = [[-math.inf] * (L + 1) for _ in range(L + 1)]  # inner[a][b]
-        for n in range(1, L + 1):
+        for a in range(L):
+            for b in range(a + 1, L + 1):
+                x = key(k, a, b) if key else (k, a, b)
+                if x not in by_key:
+                    by_key[x] = lower(k, a, b)
+                cost[k][a][b] = by_key[x]
+    links = {(j, k): link(j, k) for k in range(K) for j in range(k)}
+    return _cheapest(cost, links, L, K, objective)[0]
+
+
+def _raised(cost: list, known: list, L: int, K: int) -> list:
+    """``cost`` (``cost[k][a][b]``) with each stage raised to the dearest ``known`` stage it
+    contains on the same GPU, ``m(a, b) = max(known(a, b), m(a+1, b), m(a, b-1))``, shortest
+    stages first; a GPU with no known stage is ``cost``'s own rows (not copied)."""
+    out = []
+    for k in range(K):
+        kk = known[k]
+        if all(v == -math.inf for row in kk for v in row):
+            out.append(cost[k])
+            continue
+        rows = [list(row) for row in cost[k]]
+        inner = [list(row) for row in kk]   # inner[a][b] = m(a, b)
+        for n in range(2, L + 1):
             for a in range(L - n + 1):
                 b = a + n
-                m = cost[k, a, b] if (k, a, b) in priced else -math.inf
-                if n > 1:
-                    m = max(m, inner[a + 1][b], inner[a][b - 1])
+                m = max(inner[a][b], inner[a + 1][b], inner[a][b - 1])
                 inner[a][b] = m
-                if m > cost[k, a, b]:
-                    cost[k, a, b] = m
+                if m > rows[a][b]:
+                    rows[a][b] = m
+        out.append(rows)
+    return out
 
 
-def _cheapest(cost: dict, links: dict, L: int, K: int, objective: str) -> tuple:
-    """The DP of the module docstring over ``cost`` -> (seconds, stages); (inf, ()) when every
-    split costs inf. ``into[a][k]`` is the bracket: the cheapest way to hand layer ``a`` to GPU
-    ``k`` from an earlier GPU. Costs within ``TIE`` of each other tie; ties go to fewer stages,
-    then to the smaller slowest part (balanced stages: the same latency, a faster pipeline)."""
-    inf = (math.inf, 0, math.inf, ())
-    best = [[inf] * K for _ in range(L + 1)]  # best[b][k]: (seconds, n stages, slowest part, stages)
-    into = [[inf] * K for _ in range(L + 1)]
-    add = (lambda x, y: x + y) if objective == "sum" else max
+def _cheapest(cost: list, links: dict, L: int, K: int, objective: str) -> tuple:
+    """The DP of the module docstring over ``cost`` (``cost[k][a][b]``) -> (seconds, stages);
+    (inf, ()) when every split costs inf. ``into[a][k]`` is the bracket: the cheapest way to hand
+    layer ``a`` to GPU ``k`` from an earlier GPU. Costs within ``TIE`` of each other tie; ties go
+    to fewer stages, then to the smaller slowest part (balanced stages: the same latency, a faster
+    pipeline)."""
+    inf = math.inf
+    none = (inf, 0, inf, ())
+    best = [[none] * K for _ in range(L + 1)]  # best[b][k]: (seconds, n stages, slowest part, stages)
+    into = [[none] * K for _ in range(L + 1)]
+    total = objective == "sum"
     for b in range(1, L + 1):
         for k in range(K):
-            top = (cost[k, 0, b], 1, cost[k, 0, b], ((k, 0, b),))
+            ck = cost[k]
+            c = ck[0][b]
+            top = (c, 1, c, ((k, 0, b),))
             for a in range(1, b):
+                c = ck[a][b]
                 t, n, m, st = into[a][k]
-                c = cost[k, a, b]
-                if t == math.inf or c == math.inf:
+                if t == inf or c == inf:
                     continue
-                cand = (add(t, c), n + 1, max(m, c), st + ((k, a, b),))
+                x = t + c if total else (t if t >= c else c)
+                if 0 <= top[0] < inf and x > top[0] * (1 + TIE):   # worse beyond a tie (``_better``)
+                    continue
+                cand = (x, n + 1, m if m >= c else c, st + ((k, a, b),))
                 if _better(cand, top):
                     top = cand
             best[b][k] = top
         for k in range(1, K):
-            here = inf
+            here = none
             for j in range(k):
                 t, n, m, st = best[b][j]
-                if t == math.inf:
+                if t == inf:
                     continue
-                cand = (add(t, links[j, k]), n, max(m, links[j, k]), st)
+                hop = links[j, k]
+                cand = (t + hop if total else max(t, hop), n, max(m, hop), st)
                 if _better(cand, here):
                     here = cand
             into[b][k] = here
-    top = inf
+    top = none
     for k in range(K):
         if _better(best[L][k], top):
             top = best[L][k]
-    return (top[0], top[3]) if top[0] < math.inf else (math.inf, ())
+    return (top[0], top[3]) if top[0] < inf else (inf, ())
 
 
 REFINED = 1.05

@@ -77,3 +77,20 @@ def test_the_count_milp_solved_with_known_lps_finds_what_it_finds_computing_them
     alone, given = solve(problem), solve(problem, lp_bounds=known)
     assert given.decision == alone.decision
     assert (given.status, given.objective_s, given.bound_s) == (alone.status, alone.objective_s, alone.bound_s)
+
+
+def test_the_envelope_kept_as_certificates_arrive_is_the_least_over_configurations_of_their_best():
+    """``Envelope`` (what a kind of stage's refinements teach each of its lengths), asked between
+    additions, against the max/min over every certificate added so far, recomputed."""
+    from hetplan.solvers.ilp.counts import Envelope
+
+    hw = tiny_node(3 / 1024)
+    env, added = Envelope(), {}
+    assert env.at(5) == -math.inf
+    for n in (3, 8, 5):
+        for config, bound in count_bounds(device_problem(SPEC, hw, WL, 0, n)).items():
+            env.add(config, bound)
+            added.setdefault(config, []).append(bound)
+            for m in range(2, 11):
+                want = min(max(b.at(m) for b in certs) for certs in added.values())
+                assert env.at(m) == want, (n, config, m)

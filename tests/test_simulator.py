@@ -299,3 +299,33 @@ def test_ilp_objective_is_the_plans_objective_for_one_phase(objective):
     plan = plans_for("llama-2-7b-t4-208g", objective)["ilp"]
     milp, achieved = plan.solver["milp_objective_s"], plan.solver["objective_s"]
     assert milp == pytest.approx(achieved, rel=REL + plan.solver["mip_gap"])
+
+
+def test_a_replay_kept_for_its_problem_and_decision_is_the_replay_of_those_alone():
+    """``build_schedule`` keeps its last replays by the identity of problem and decision: a
+    decision replayed after others gets its own schedule, the same as replayed afresh, and a
+    caller changing the dict it got changes nothing kept."""
+    from hetplan import schedule as sched
+
+    spec = tiny_spec(n_layers=4, hidden=1024, intermediate=4096, n_heads=8, n_kv_heads=2, head_dim=128,
+                     vocab=8000)
+    node = tiny_node(0.25, 4.0, h2d_bytes_per_s=2e12)   # as ``streamed_plan``: loads share HBM with compute
+    slow_gpu = dataclasses.replace(node.gpu, flops_per_s={"fp16": 1e10, "bf16": 1e10, "fp32": 1e10})
+    problem = build_problem(spec, dataclasses.replace(node, gpus=(slow_gpu,)),
+                            Workload(batch=1, prompt_len=128, gen_len=8))
+    req = CompileRequest(model="tiny", hw="tiny")
+    decisions = [decide(problem, s, None, req)[0] for s in ("stream", "ngl", "all-gpu")]
+    fresh = []
+    for d in decisions:
+        sched._RECENT.clear()
+        fresh.append(sched.build_schedule(problem, d))
+    assert fresh[0] != fresh[1]
+    for d, want in list(zip(decisions, fresh)) * 2:
+        got = sched.build_schedule(problem, d)
+        assert got == want
+        got["decode"] = None
+    sched._RECENT.clear()
+    nominal = sched.build_schedule(problem, decisions[0], shared_buses=False)
+    assert nominal != fresh[0]   # the streamed plan's loads share a bus with its compute
+    assert sched.build_schedule(problem, decisions[0]) == fresh[0]
+    assert sched.build_schedule(problem, decisions[0], shared_buses=False) == nominal

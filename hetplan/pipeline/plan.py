@@ -183,7 +183,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     more caches than it will hold, so the search may miss one that only fits, or is only
     faster, with its own count (never on two devices); the plan it returns is sized consistently."""
     from hetplan.pipeline.forked import forked_map
-    from hetplan.solvers.ilp.counts import envelope
+    from hetplan.solvers.ilp.counts import Envelope
     from hetplan.solvers.pipeline import best_split
 
     topo = Topology.of(hw)
@@ -221,7 +221,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         return at[:1] + at[2:]
 
     def taught(at):   # the LP bound of the stages of key ``at`` that its family's refinements learnt
-        return envelope(learnt.get(family(at), {}), at[1])
+        return learnt[family(at)].at(at[1]) if family(at) in learnt else -math.inf
 
     def refined(s):   # what refining stage ``s`` finds (pure: it may run in a forked child)
         k, a, b = s
@@ -232,7 +232,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def learn(s, found) -> None:
         if isinstance(found, dict):   # every configuration's LP, each a bound on every length of this kind of stage
             for config, bound in found.items():
-                learnt.setdefault(family(key(*s)), {}).setdefault(config, []).append(bound)
+                learnt.setdefault(family(key(*s)), Envelope()).add(config, bound)
             relaxed[key(*s)] = {config: bound.value_s for config, bound in found.items()}
             found = min(relaxed[key(*s)].values())
         bounds[key(*s)] = found
@@ -295,7 +295,7 @@ def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "su
 def _memos(solve_stage, spec: ModelSpec, wl: Workload) -> tuple:
     """(plans, refined bounds) of stages, by stage key (``_stage_key``), the ``StageBound`` of
     each device description, and the ``CountBound``s learnt per kind of stage (its key without
-    the layer count) and configuration: dicts of this search alone, or, where ``solve_stage`` carries a
+    the layer count), an ``Envelope`` of each: dicts of this search alone, or, where ``solve_stage`` carries a
     ``memo`` (``stage_solver``'s, shared by the candidates of one ``compile --serve``), its
     entries for this model and workload (the StageBounds in its ``shared_memo``, which every
     strategy and ``ThroughputBound`` read: they bound any plan)."""

@@ -109,10 +109,30 @@ def _paired(duals, lower, upper) -> float:
     return total
 
 
-def envelope(bounds: dict, m: int) -> float:
-    """The least, over configurations, of the best ``CountBound`` of each at ``m`` layers:
-    ``bounds`` maps each configuration to the certificates learnt for it (-inf while one has
-    none)."""
-    if not bounds:
-        return -math.inf
-    return min(max((c.at(m) for c in certs), default=-math.inf) for certs in bounds.values())
+class Envelope:
+    """The bound a kind of stage's refinements teach each of its lengths: at ``m`` layers, the
+    least over configurations of the best ``CountBound`` of each (-inf while one has none), kept
+    up to date as certificates are added."""
+
+    def __init__(self):
+        self.certs: dict = {}   # configuration -> its CountBounds
+        self._best: dict = {}   # configuration -> {m: the best of its CountBounds at m}
+        self._at: dict = {}     # m -> the envelope there
+
+    def add(self, config, cert: CountBound) -> None:
+        self.certs.setdefault(config, []).append(cert)
+        best = self._best.setdefault(config, {})
+        for m in best:
+            best[m] = max(best[m], cert.at(m))
+        self._at.clear()
+
+    def at(self, m: int) -> float:
+        if m not in self._at:
+            values = []
+            for config, certs in self.certs.items():
+                best = self._best[config]
+                if m not in best:
+                    best[m] = max(c.at(m) for c in certs)
+                values.append(best[m])
+            self._at[m] = min(values, default=-math.inf)
+        return self._at[m]
