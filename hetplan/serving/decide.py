@@ -136,6 +136,24 @@ class ThroughputBound:
         seconds = pipeline_lower_bound(spec, group, wl, "sum", stage_bounds_memo(self.memo, spec, wl))
         return r * b * wl.gen_len / seconds if seconds > 0 else math.inf
 
+    def every(self, options: list, batches: list) -> dict:
+        """{(r, b): ``self(r, b)``} for every replica count of ``options`` and batch of
+        ``batches``, the batches bounded side by side (``forked_map``: each a pure function of the
+        request); the StageBounds each built are kept in the memo as ``__call__`` keeps them."""
+        from hetplan.pipeline.forked import forked_map
+        from hetplan.pipeline.plan import stage_bounds_memo
+
+        def at(b):
+            return {r: self(r, b) for r in options}, self._model_at(b), \
+                stage_bounds_memo(self.memo, *self._model_at(b))
+
+        out = {}
+        for b, (found, model_at, stage_bounds) in zip(batches, forked_map(at, batches)):
+            self._at[b] = model_at
+            stage_bounds_memo(self.memo, *model_at).update(stage_bounds)
+            out.update({(r, b): found[r] for r in options})
+        return out
+
     def _model_at(self, b: int) -> tuple:
         from hetplan.compiler import _workload
         from hetplan.pipeline.compile import fitting_dtype
@@ -162,7 +180,7 @@ def _search(req: CompileRequest, sreq: ServingRequest) -> tuple:
     memo: dict = {}   # stages bounded and priced by one candidate, for the others
     if len(options) > 1:
         upper = ThroughputBound(req, Topology.of(load_machine(req)), memo)
-        bound = {(r, b): upper(r, b) for r in options for b in batches}
+        bound = upper.every(options, batches)
         order = sorted(bound, key=lambda rb: (-bound[rb], rb))
     searches, solve_s, too_big, failure, best = {}, 0.0, {}, None, 0.0
     for r, b in order:

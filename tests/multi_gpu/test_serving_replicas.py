@@ -176,6 +176,7 @@ def test_a_serving_search_builds_each_stage_bound_once(monkeypatch, files):
     sreq = ServingRequest(max_batch=8, max_context=128)
     alone, _ = compile_serving(req, sreq)
     monkeypatch.setattr(pipeline_plan, "StageBound", counted)
+    monkeypatch.setenv("HETPLAN_JOBS", "1")   # every StageBound built in this process, where it is counted
     plan, _ = compile_serving(req, sreq)
     assert len(built) > 1 and len(set(built)) == len(built)
     assert {wl.batch for _, _, wl in built} == set(range(1, 9)) & {1, 2, 4, 8}
@@ -183,3 +184,26 @@ def test_a_serving_search_builds_each_stage_bound_once(monkeypatch, files):
     one = dataclasses.replace(req, batch=plan.workload.batch, objective="latency",
                               replicas=decide_replicas(plan), notes=[])
     assert compile_plan(one)[0].pipeline["predicted"] == plan.pipeline["predicted"]
+
+
+def test_the_bounds_of_every_candidate_computed_side_by_side_are_those_computed_one_by_one(monkeypatch, files):
+    """``ThroughputBound.every`` bounds the batches in forked children: the same bounds as asking
+    for each candidate in turn, and the StageBounds the children built come back to the memo, so
+    asking again builds none."""
+    from hetplan.compiler import load_machine
+    from hetplan.pipeline import plan as pipeline_plan
+    from hetplan.pipeline.topology import Topology
+    from hetplan.serving import decide
+
+    req = request(files, "four", gpu_mem="1MiB")
+    topo = Topology.of(load_machine(req))
+    options, batches = decide.replica_options(req), [1, 2, 4, 8]
+    assert len(options) > 1
+    one_by_one = {(r, b): decide.ThroughputBound(req, topo)(r, b) for r in options for b in batches}
+    monkeypatch.setenv("HETPLAN_JOBS", "2")
+    upper = decide.ThroughputBound(req, topo)
+    assert upper.every(options, batches) == one_by_one
+    real, built = pipeline_plan.StageBound, []
+    monkeypatch.setattr(pipeline_plan, "StageBound", lambda *a: built.append(a) or real(*a))
+    assert {(r, b): upper(r, b) for r in options for b in batches} == one_by_one
+    assert built == []
