@@ -198,11 +198,11 @@ def _workload(req: CompileRequest, batch: int | None = None) -> Workload:
 
 
 def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest, moe_chain: bool = False,
-           lp_bounds: dict | None = None):
+           lp_bounds: dict | None = None, floors: dict | None = None):
     """Run one strategy on a problem -> (Decision or None, solver info dict, solve seconds).
     ``moe_chain``: a MoE problem of identical layers goes to the chain DP rather than the count
     MILP (both exact; the DP is much the faster on the short slices pipeline stages are);
-    ``lp_bounds``: see ``ilp.solve``."""
+    ``lp_bounds``, ``floors``: see ``ilp.solve``."""
     from hetplan.solvers import baselines, ilp
 
     if strategy in IMPORTED:
@@ -222,7 +222,7 @@ def decide(problem: Problem, strategy: str, arg: int | None, req: CompileRequest
     opts = ilp.IlpOptions(time_limit_s=req.time_limit_s, max_nodes=req.max_nodes, mip_rel_gap=req.mip_gap,
                           stream_cold=req.stream_cold_experts, dump_lp=req.dump_lp,
                           count_layers=not (moe_chain and bool(problem.experts)))
-    res = ilp.solve(problem, opts, lp_bounds)
+    res = ilp.solve(problem, opts, lp_bounds, floors)
     if res.decision is not None and res.objective_s is None:
         # No GPU: the all-CPU plan is the only placement, so it is its own bound.
         obj = objective_s(problem, predictions(problem, build_schedule(problem, res.decision)))
@@ -259,13 +259,16 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
     ``decide``'s ``moe_chain``); its ``lower_bound(problem)`` bounds that plan's objective
     cheaply (the MILP's LP relaxation), or is None; its ``count_bounds(problem)`` bounds it at
     every layer count of the same kind of stage from the same relaxations (``ilp.count_bounds``),
-    or is None."""
-    def solve(problem: Problem, lp_bounds: dict | None = None) -> Plan | None:
-        """``lp_bounds``: ``count_bounds(problem)``'s values where known (``ilp.solve``)."""
+    or is None; its ``count_lines`` bound the count MILPs at every count by one MILP each, for
+    ``solve``'s ``floors``."""
+    def solve(problem: Problem, lp_bounds: dict | None = None, floors: dict | None = None) -> Plan | None:
+        """``lp_bounds``: ``count_bounds(problem)``'s values where known; ``floors``: its count
+        MILPs' lines there (``count_lines``; both ``ilp.solve``'s)."""
         if not fits_at_all(problem):
             return None
         plan, _, _ = plan_within_budget(problem, lambda p: decide(p, strategy, arg, req, moe_chain=moe_stages,
-                                                                  lp_bounds=lp_bounds if p is problem else None))
+                                                                  lp_bounds=lp_bounds if p is problem else None,
+                                                                  floors=floors if p is problem else None))
         return plan if plan is not None and fits(plan) else None
 
     def lower_bound(problem: Problem, floor: float = -math.inf) -> float | None:
@@ -289,6 +292,16 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
             return None
         return ilp.count_bounds(problem, relaxed(problem))
 
+    def count_lines(problem: Problem, slopes: dict, hi: int) -> dict:
+        """``ilp.count_lines``: the lines, over every count from 2 to ``hi`` of the stages of
+        ``problem``'s kind, of the count MILPs of the (depth, slot) configurations ``slopes``
+        gives a slope; {} where ``count_bounds`` is None."""
+        from hetplan.solvers import ilp
+
+        if strategy != "ilp" or not fits_at_all(problem):
+            return {}
+        return ilp.count_lines(problem, slopes, hi, relaxed(problem))
+
     def relaxed(problem: Problem):
         from hetplan.solvers import ilp
 
@@ -297,6 +310,7 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
 
     solve.lower_bound = lower_bound
     solve.count_bounds = count_bounds
+    solve.count_lines = count_lines
     if req.stage_memo is not None:
         solve.memo = req.stage_memo.setdefault((strategy, arg, moe_stages), {})
         solve.shared_memo = req.stage_memo   # what holds for every strategy (the StageBounds)

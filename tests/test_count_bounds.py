@@ -94,3 +94,53 @@ def test_the_envelope_kept_as_certificates_arrive_is_the_least_over_configuratio
             for m in range(2, 11):
                 want = min(max(b.at(m) for b in certs) for certs in added.values())
                 assert env.at(m) == want, (n, config, m)
+
+
+def milp_ms(hw, kind: str, m: int, config) -> float:
+    """The oracle: the count MILP of ``config`` (depth, slot, KV mode) at ``m`` layers, solved
+    afresh to optimality (weighted ms; inf where nothing fits)."""
+    from hetplan.solvers.ilp.per_block import _kv_copies
+
+    p = device_problem(SPEC, hw, WL, *span(kind, m))
+    model = LayerModel(p, layered(p), config[0], config[1], memory_unit(p), kv_copies=_kv_copies(config))
+    status, info, walk, _ = model.solve(IlpOptions(max_nodes=100_000, mip_rel_gap=1e-12), None)
+    return info.objective_function_value if walk is not None else math.inf
+
+
+@pytest.mark.parametrize("gpu_mib", [3, 64])
+@pytest.mark.parametrize("kind", ["first", "middle", "last"])
+def test_one_milp_with_the_count_free_bounds_the_count_milp_at_every_count_by_a_line(gpu_mib, kind):
+    """``count_lines`` from a stage of 6 layers, at the slope of each configuration's LP
+    certificate: below the count MILP solved afresh at every count, and on it where every layer
+    is resident (the MILP a line)."""
+    from hetplan.solvers.ilp import count_lines
+
+    hw = tiny_node(gpu_mib / 1024)
+    problem = device_problem(SPEC, hw, WL, *span(kind, 6))
+    slopes = {c: b.slope() for c, b in count_bounds(problem).items() if b.value_s < math.inf}
+    lines = count_lines(problem, slopes, 10)
+    assert lines and {c[:2] for c in lines} == set(slopes)
+    for config, line in lines.items():
+        for m in range(2, 11):
+            want = milp_ms(hw, kind, m, config)
+            assert line.at_ms(m) <= want * (1 + 1e-9), (config, m)
+            if gpu_mib == 64:
+                assert line.at_ms(m) == pytest.approx(want, rel=1e-8), (config, m)
+
+
+@pytest.mark.parametrize("gpu_mib", [3, 64])
+def test_a_count_milp_stopped_at_its_line_decides_as_one_solved_to_the_end(gpu_mib):
+    """``solve(floors=...)``: each configuration's MILP stops at the first plan that reaches its
+    line, a configuration whose line lies above the plan found is not solved; the plan is as good
+    (to 1e-9) and proven so."""
+    from hetplan.solvers.ilp import count_lines
+
+    hw = tiny_node(gpu_mib / 1024)
+    taught = device_problem(SPEC, hw, WL, 0, 4)
+    lines = count_lines(taught, {c: b.slope() for c, b in count_bounds(taught).items() if b.value_s < math.inf}, 10)
+    for n in (3, 5, 8):
+        problem = device_problem(SPEC, hw, WL, 0, n)
+        plain, floored = solve(problem), solve(problem, floors={c: l.at_ms(n) for c, l in lines.items()})
+        assert floored.status == "optimal"
+        assert floored.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
+        assert floored.bound_s <= floored.objective_s and floored.mip_gap <= 1e-9

@@ -184,7 +184,8 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     faster, with its own count (never on two devices); the plan it returns is sized consistently."""
     from hetplan.pipeline.forked import forked_map
     from hetplan.solvers.ilp.counts import Envelope
-    from hetplan.solvers.pipeline import best_split
+    from hetplan.solvers.ilp.objective import MS
+    from hetplan.solvers.pipeline import TIE, best_split
 
     topo = Topology.of(hw)
     devices = topo.devices
@@ -195,16 +196,23 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     kind = [machines.index(m) for m in machines]  # equal devices share prices
     copies = micro_batch_count(objective, len(devices))
     key = _stage_key(spec, machines)
-    plans, bounds, stage_bounds, learnt = _memos(solve_stage, spec, wl)
+    plans, bounds, stage_bounds, learnt, lines = _memos(solve_stage, spec, wl)
     relaxed: dict = {}   # stage key -> {configuration: its LP's value}, of the stages refined
 
     def solved(s, n_kv=None):   # the stage's plan (pure: it may run in a forked child)
         k, a, b = s
         n_kv = copies if n_kv is None else n_kv
         problem = device_problem(spec, machines[k], wl, a, b, n_kv)
-        if n_kv == copies and key(*s) in relaxed:   # its LPs, solved when it was refined
-            return solve_stage(problem, lp_bounds=relaxed[key(*s)])
-        return solve_stage(problem)
+        if n_kv != copies:
+            return solve_stage(problem)
+        f, m = family(key(*s)), b - a
+        floors = {c: line.at_ms(m) for c, line in lines.get(f, {}).items()}
+        # its LPs, solved when it was refined, else what its kind of stage learnt of them; its count
+        # MILPs' lines, learnt from a stage of its kind
+        known = relaxed.get(key(*s)) or ({c: v for c in learnt[f].certs if (v := learnt[f].config_at(c, m)) > -math.inf}
+                                         if f in learnt else None)
+        given = {"lp_bounds": known, "floors": floors}
+        return solve_stage(problem, **{k: v for k, v in given.items() if v})
 
     def stage_plan(k, a, b, n_kv=None):
         n_kv = copies if n_kv is None else n_kv
@@ -220,8 +228,17 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def family(at):   # the kind of stage of key ``at``: alike but for the layer count
         return at[:1] + at[2:]
 
-    def taught(at):   # the LP bound of the stages of key ``at`` that its family's refinements learnt
-        return learnt[family(at)].at(at[1]) if family(at) in learnt else -math.inf
+    def taught(at):   # the bound of the stages of key ``at`` that its family's refinements and lines teach
+        f, m = family(at), at[1]
+        if f not in learnt:
+            return -math.inf
+        if f not in lines:
+            return learnt[f].at(m)
+        best = []   # per (depth, slot): its LPs' best, or its lines' least over KV modes where higher
+        for config in learnt[f].certs:
+            modes = [line.at_ms(m) / MS for c, line in lines[f].items() if c[:2] == config]
+            best.append(max(learnt[f].config_at(config, m), min(modes, default=-math.inf)))
+        return min(best, default=-math.inf)
 
     def refined(s):   # what refining stage ``s`` finds (pure: it may run in a forked child)
         k, a, b = s
@@ -240,19 +257,43 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def refine(k, a, b):
         if not refines:
             return None
+        if family(key(k, a, b)) in lines:   # its kind's lines bound it closer than its LPs would
+            return taught(key(k, a, b))
         if key(k, a, b) not in bounds:
             learn((k, a, b), refined((k, a, b)))
         return bounds[key(k, a, b)]
 
+    def lined(job):   # the lines a priced stage asks for (pure: it may run in a forked child)
+        (k, a, b), slopes = job
+        return solve_stage.count_lines(device_problem(spec, machines[k], wl, a, b, copies), slopes, L)
+
+    def slopes(s) -> dict:   # {(depth, slot): the slope of its LP} of each configuration of priced
+        # stage ``s`` whose LP lies below its price: where its kind of stage needs a count MILP
+        at, plan = key(*s), plans[key(*s), copies]
+        if plan is None or at not in relaxed:
+            return {}
+        price = seconds(plan.predicted["ttft_s"], plan.predicted["tpot_s"])
+        certs = learnt[family(at)].certs
+        return {config: slope for config, value in relaxed[at].items() if value < price * (1 - TIE)
+                and (slope := next((c.slope() for c in certs.get(config, []) if c.n == at[1]), None)) is not None}
+
     def prepare(stages, refining):   # the stages the search asks for next, side by side
         if refining:
-            todo = [s for s in stages if refines and key(*s) not in bounds]
+            todo = [s for s in stages if refines and key(*s) not in bounds and family(key(*s)) not in lines]
             for s, found in zip(todo, forked_map(refined, todo)):
                 learn(s, found)
-        else:
-            todo = [s for s in stages if (key(*s), copies) not in plans]
-            for s, plan in zip(todo, forked_map(solved, todo)):
-                plans[key(*s), copies] = plan
+            return
+        todo = [s for s in stages if (key(*s), copies) not in plans]
+        for s, plan in zip(todo, forked_map(solved, todo)):
+            plans[key(*s), copies] = plan
+        if getattr(solve_stage, "count_lines", None) is None:
+            return
+        jobs = {}   # the first stage priced of each kind: the lines of its count MILPs
+        for s in todo:
+            if family(key(*s)) not in lines and family(key(*s)) not in jobs and (found := slopes(s)):
+                jobs[family(key(*s))] = (s, found)
+        for f, found in zip(jobs, forked_map(lined, list(jobs.values()))):
+            lines[f] = found
 
 
     def stage(k, a, b, n_kv=None):
@@ -294,18 +335,19 @@ def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "su
 
 def _memos(solve_stage, spec: ModelSpec, wl: Workload) -> tuple:
     """(plans, refined bounds) of stages, by stage key (``_stage_key``), the ``StageBound`` of
-    each device description, and the ``CountBound``s learnt per kind of stage (its key without
-    the layer count), an ``Envelope`` of each: dicts of this search alone, or, where ``solve_stage`` carries a
+    each device description, the ``CountBound``s learnt per kind of stage (its key without
+    the layer count), an ``Envelope`` of each, and the lines of its count MILPs (``count_lines``,
+    by configuration): dicts of this search alone, or, where ``solve_stage`` carries a
     ``memo`` (``stage_solver``'s, shared by the candidates of one ``compile --serve``), its
     entries for this model and workload (the StageBounds in its ``shared_memo``, which every
     strategy and ``ThroughputBound`` read: they bound any plan)."""
     memo = getattr(solve_stage, "memo", None)
     if memo is None:
-        return {}, {}, {}, {}
+        return {}, {}, {}, {}, {}
     scope = (json.dumps(spec.to_dict(), sort_keys=True), wl)
     return (memo.setdefault(("plans", *scope), {}), memo.setdefault(("bounds", *scope), {}),
             stage_bounds_memo(getattr(solve_stage, "shared_memo", memo), spec, wl),
-            memo.setdefault(("counts", *scope), {}))
+            memo.setdefault(("counts", *scope), {}), memo.setdefault(("lines", *scope), {}))
 
 
 def stage_bounds_memo(memo: dict, spec: ModelSpec, wl: Workload) -> dict:

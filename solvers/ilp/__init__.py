@@ -11,6 +11,7 @@ MILP as a bound at every layer count (what the pipeline search learns from). Kno
 task rules; knows nothing about plan files, the CLI or torch.
 """
 
-from hetplan.solvers.ilp.per_block import IlpOptions, IlpResult, count_bounds, lp_bound_s, memory_unit, solve
+from hetplan.solvers.ilp.per_block import (IlpOptions, IlpResult, count_bounds, count_lines, lp_bound_s, memory_unit,
+                                           solve)
 
-__all__ = ["IlpOptions", "IlpResult", "count_bounds", "lp_bound_s", "memory_unit", "solve"]
+__all__ = ["IlpOptions", "IlpResult", "count_bounds", "count_lines", "lp_bound_s", "memory_unit", "solve"]

@@ -25,6 +25,19 @@ its MILP, so one LP per staging configuration bounds that configuration at every
 of the same stage kind: the pipeline search (``hetplan.pipeline.plan``) learns the bound of
 every stage length from the few it refines.
 
+The LP's bound lies below the MILP's by its integrality gap (the layers HBM holds, a fraction
+in the LP). ``count_line`` closes it for every count at once: the count MILP of one configuration
+with the count a variable ``m`` in ``[lo, hi]`` and ``slope m`` taken off its objective has an
+optimum (bound) ``W <= MILP(m) - slope m`` for each ``m``, so
+
+    MILP(m) >= W + slope m
+
+a line, exact wherever the MILP is a line of that slope (beyond a device's HBM each layer more
+adds the same seconds, and the LP, a line there too, gives the slope), below it elsewhere. The
+pipeline search prices the stages of one kind at many counts; with the line of each of their
+configurations, a count MILP stops at the first plan that reaches the line
+(``LayerModel.floor_ms``) and a configuration whose line lies above the plan found is not solved.
+
 Only for the objectives whose weights do not depend on the layer count (``latency``,
 ``throughput``: 1 and ``gen_len``; ``ttft``/``tpot`` weigh the other phase by the problem's
 own times).
@@ -60,6 +73,14 @@ class CountBound:
     margin_s: float = 0.0
     """Subtracted from every bound but ``n``'s: the duality gap the check allowed, and rounding."""
 
+    def slope(self) -> float | None:
+        """Weighted ms per layer from this certificate's count to the next: the LP's slope there
+        where the LP is a line (the certificate is exact along it); None where it says nothing of
+        other counts."""
+        if self.base == -math.inf or self.n < 2:
+            return None
+        return (self.at(self.n + 1) + self.margin_s - self.value_s) * MS
+
     def at(self, m: int) -> float:
         """A lower bound (stated seconds) on the LP relaxation at ``m`` layers; -inf where this
         certificate says nothing."""
@@ -69,6 +90,46 @@ class CountBound:
             return -math.inf
         moved = sum(min(0.0, d - (m - self.n) * y) for d, y in self.scaled)
         return (self.base + self.per_layer * m + moved) / MS - self.margin_s
+
+
+@dataclass(frozen=True)
+class LineBound:
+    """A lower bound on the count MILP of one configuration at every count of ``[lo, hi]``, a
+    line (module docstring)."""
+    lo: int
+    hi: int
+    value: float
+    """Weighted ms: the bound of the MILP with the count free and ``slope m`` taken off (inf:
+    infeasible at every count of the range)."""
+    slope: float
+    """Weighted ms per layer."""
+
+    def at_ms(self, m: int) -> float:
+        """The bound at ``m`` layers (weighted ms), less ``LINE_MARGIN``; -inf outside the range."""
+        if not self.lo <= m <= self.hi:
+            return -math.inf
+        if self.value == math.inf:
+            return math.inf
+        line = self.value + self.slope * m
+        return line - LINE_MARGIN * abs(line)
+
+
+LINE_GAP = 1e-12
+"""Relative gap to which ``count_line``'s MILP is solved: the line is as tight as its bound."""
+LINE_MARGIN = 1e-10
+"""Relative slack a line's bound gives up (HiGHS's tolerances)."""
+
+
+def count_line(model: LayerModel, slope: float, opts) -> LineBound:
+    """The line of ``model`` (a count MILP with the count free, ``LayerModel(count_range=...)``)
+    of ``slope`` weighted ms per layer (module docstring). ``opts``: the MILP's options; a bound
+    found at the node limit is still a bound."""
+    from hetplan.solvers.ilp.per_block import IlpOptions
+
+    model.prob.setObjective(model.weights.weighted_ms(model.T) - slope * model.count)
+    status, info, _, _ = model.solve(IlpOptions(**{**opts.__dict__, "mip_rel_gap": LINE_GAP}), None)
+    value = math.inf if status == "infeasible" else info.mip_dual_bound
+    return LineBound(int(model.count.lowBound), int(model.count.upBound), value, slope)
 
 
 def count_bound(model: LayerModel, opts) -> CountBound:
@@ -128,11 +189,12 @@ class Envelope:
 
     def at(self, m: int) -> float:
         if m not in self._at:
-            values = []
-            for config, certs in self.certs.items():
-                best = self._best[config]
-                if m not in best:
-                    best[m] = max(c.at(m) for c in certs)
-                values.append(best[m])
-            self._at[m] = min(values, default=-math.inf)
+            self._at[m] = min((self.config_at(config, m) for config in self.certs), default=-math.inf)
         return self._at[m]
+
+    def config_at(self, config, m: int) -> float:
+        """The best certificate of ``config`` at ``m`` layers (stated seconds)."""
+        best = self._best[config]
+        if m not in best:
+            best[m] = max(c.at(m) for c in self.certs[config])
+        return best[m]

@@ -61,6 +61,9 @@ from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, bus_bytes, 
                                            run_highs)
 
 MAX_CUT_ROUNDS = 50
+FLOOR_SLACK = 1e-9
+"""A plan within this relative distance of a proven lower bound (``LayerModel.floor_ms``) is
+taken as optimal (the MILP's value and the bound sum the same times in another order)."""
 
 
 @dataclass(frozen=True)
@@ -250,15 +253,23 @@ class LayerModel:
     pairs are priced on their (M, A) arc, not per pair of whole-layer options."""
 
     def __init__(self, problem: Problem, shape: Layers, depth: int, slot_bytes: float, unit: float,
-                 kv_copies: bool | None = None):
+                 kv_copies: bool | None = None, count_range: tuple | None = None):
         """``kv_copies`` (``copies_kv``): True, the HBM the largest copy of a prompt's KV to a
         DRAM cache holds is reserved (``constraints.add_kv_copy_held``, here a constant: every
         layer is alike); False, no layer takes an option that copies its KV down; None, neither
-        (an MoE model, whose chain DP leaves those bytes to the compiler's rounds)."""
+        (an MoE model, whose chain DP leaves those bytes to the compiler's rounds).
+        ``count_range``: (lo, hi), the layer count a variable (``count``) in that range, lo >= 2,
+        instead of the shape's: the same rows, with ``hi`` wherever the count bounds a variable or
+        scales a binary, so that its integer points are those of the count MILP of each count in
+        the range (``counts.count_line``)."""
         self.problem, self.shape, self.depth, self.slot_bytes = problem, shape, depth, slot_bytes
         prices = _Prices(problem, depth)
         first, last, layer = shape.first, shape.last, shape.layers[0]
-        self.L = L = len(shape.layers)
+        self.L = L = len(shape.layers) if count_range is None else count_range[1]
+        self.count = None if count_range is None else pulp.LpVariable("layers", *count_range, cat="Integer")
+        self.floor_ms = None
+        """A proven lower bound on this MILP's optimum (weighted ms), or None: ``solve`` stops at
+        the first plan within ``FLOOR_SLACK`` of it (``counts.count_line``)."""
         self.first_opts = block_options(problem, first, slot_bytes)
         self.last_opts = block_options(problem, last, slot_bytes)
         self.layer_opts = [opts for opts in itertools.product(*(block_options(problem, b, slot_bytes) for b in layer))
@@ -291,7 +302,7 @@ class LayerModel:
             into[v1, v2].append(v)
         prob += pulp.lpSum(v for k, (v, _) in arcs.items() if k[0] == "E") == 1, "one_first_layer"
         prob += pulp.lpSum(v for k, (v, _) in arcs.items() if k[2] == "H") == 1, "one_last_layer"
-        prob += pulp.lpSum(self.n.values()) == L, "every_layer"
+        prob += pulp.lpSum(self.n.values()) == (L if self.count is None else self.count), "every_layer"
         for kind, count in (("A", len(enter)), ("M", len(leave))):
             for i in range(count):
                 prob += pulp.lpSum(into[kind, i]) == pulp.lpSum(out[kind, i]), f"flow_{kind}{i}"
@@ -451,7 +462,8 @@ class LayerModel:
         for _ in range(MAX_CUT_ROUNDS):
             if opts.dump_lp:
                 self.prob.writeLP(opts.dump_lp)
-            status, info = run_highs(self.prob, highs_solver(opts, cutoff_ms, mip_max_nodes=opts.max_nodes))
+            target = {} if self.floor_ms is None else {"objective_target": self.floor_ms * (1 + FLOOR_SLACK)}
+            status, info = run_highs(self.prob, highs_solver(opts, cutoff_ms, mip_max_nodes=opts.max_nodes, **target))
             if info.primal_solution_status != 2:
                 return status, info, None, time.perf_counter() - t0
             flows = self._flows()
@@ -483,9 +495,12 @@ class LayerModel:
         return (sum(1 for v in self.prob.variables() if v.cat == "Integer"), len(self.prob.constraints))
 
     def result(self, status, info, walk, seconds):
-        """(decision or None, status, stated objective s, stated bound s, seconds, size)."""
+        """(decision or None, status, stated objective s, stated bound s, seconds, size); a plan
+        that reached the ``floor_ms`` target is optimal, the floor its bound."""
         obj, bound = self.weights.read(self.T, status, info)
         if walk is None:
             return None, status, float("inf"), bound, seconds, self.size()
+        if status == "objective_target":
+            status, bound = "optimal", min(obj, max(bound, self.weights.stated_bound_s(self.floor_ms)))
         return self.decision(walk), status, obj, bound, seconds, self.size()
 

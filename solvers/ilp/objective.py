@@ -151,7 +151,7 @@ class Weights:
 
 
 STATUS = {"Optimal": "optimal", "Time limit reached": "time_limit", "Infeasible": "infeasible",
-          "Objective bound": "objective_bound",
+          "Objective bound": "objective_bound", "Target for objective reached": "objective_target",
           "Solution limit reached": "node_limit", "Primal infeasible or unbounded": "infeasible"}
 
 

@@ -14,6 +14,7 @@ encodes them as constraints in its own code; it does not call the schedule build
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -470,7 +471,26 @@ def count_bounds(problem: Problem, opts: IlpOptions | None = None) -> dict | Non
             for c in configurations(problem, opts.depths, True)}
 
 
-def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | None = None) -> IlpResult:
+def count_lines(problem: Problem, slopes: dict, hi: int, opts: IlpOptions | None = None) -> dict:
+    """{count MILP configuration (``count_configurations``'s): ``counts.LineBound``} over the
+    counts 2 to ``hi`` of the stages of ``problem``'s kind, for the configurations whose
+    (depth, slot) ``slopes`` maps to a slope (weighted ms per layer); {} where ``count_bounds``
+    is None."""
+    from hetplan.solvers.ilp.counts import count_line
+
+    opts = opts or IlpOptions()
+    shape = _count_shape(problem, opts)
+    if shape is None or hi < 2:
+        return {}
+    unit = memory_unit(problem)
+    line_opts = IlpOptions(**{**opts.__dict__, "max_nodes": opts.max_nodes * COUNT_NODES_PER_NODE})
+    return {c: count_line(LayerModel(problem, shape, c[0], c[1], unit, kv_copies=_kv_copies(c), count_range=(2, hi)),
+                          slopes[c[:2]], line_opts)
+            for c in count_configurations(problem, opts.depths) if c[:2] in slopes}
+
+
+def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | None = None,
+          floors: dict | None = None) -> IlpResult:
     """Solve the MILP of every configuration (``configurations``: staging depths of
     ``opts.depths``, and for MoE models and models of identical layers slot sizes); return the
     best decision, with the bound and gap over all of them (the optimum is >= the least
@@ -481,7 +501,10 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
     partial start (the placement binaries of a baseline) HiGHS 1.16 declared worse plans optimal
     on small dense models at depth 2 (``tests/test_ilp_layers.py`` cross-checks both MILPs).
     ``lp_bounds``: {configuration: LP relaxation value} of this very problem's count MILPs where
-    known already (``count_bounds``' ``value_s``), not computed again."""
+    known already (``count_bounds``' ``value_s``), not computed again; ``floors``: {count MILP
+    configuration (``count_configurations``'s): a proven lower bound on its MILP here, weighted
+    ms} (``count_line``'s), which rules a configuration out as its LP would, and at which its
+    MILP stops (``LayerModel.floor_ms``)."""
     opts = opts or IlpOptions()
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
@@ -501,7 +524,9 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
         known = lp_bounds or {}
         relaxed = {c[:2]: known[c[:2]] if c[:2] in known else layer_model(c[:2] + (None,)).lp_bound_s(opts)
                    for c in configs}   # (both KV modes' relaxation)
-        lp = {c: relaxed[c[:2]] for c in configs}
+        floors = floors or {}
+        stated = Weights(problem).stated_bound_s
+        lp = {c: max(relaxed[c[:2]], stated(floors[c]) if c in floors else -math.inf) for c in configs}
         configs = sorted(configs, key=lambda c: (lp[c], configs.index(c)))
     t_setup = time.perf_counter()
     chains, weights = _chains(problem, configs, opts) if shape is None else ({}, None)
@@ -530,6 +555,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
                 results.append(IlpResult(None, "optimal", 0.0, float("inf"), min(lp[config], cutoff),
                                          0.0, *size))
                 continue
+            layer_model(config).floor_ms = floors.get(config)
             res = _solve_layers(problem, layer_model(config), config_opts, cutoff)
         if res is None and (depth, slot) in chains:
             res = _solve_chain(chains[depth, slot], weights, config_opts, cutoff)

@@ -214,8 +214,10 @@ def test_gpu_mem_sets_each_gpu_budget_and_refuses_a_gpu_that_is_not_there():
 @pytest.mark.parametrize("gpu_mib, second_mib", [(3, 3), (4, 8), (2.5, 100)])
 def test_learnt_lp_bounds_and_stages_priced_side_by_side_change_no_choice(gpu_mib, second_mib, monkeypatch):
     """The search that learns every stage length's LP bound from the stages it refines
-    (``count_bounds``) and prices stages in forked children chooses what the plain search
-    chooses (one process, each stage's own LP bound)."""
+    (``count_bounds``) and each kind of stage's count MILP lines from the first it prices
+    (``count_lines``: bounds for the DP, floors for the MILPs of the stages priced after it), and
+    prices stages in forked children, chooses what the plain search chooses (one process, each
+    stage's own LP bound)."""
     spec = tiny_spec(n_layers=8)
     hw = two_gpus(gpu_mib / 1024, second_mib / 1024)
     solve = stage_solver(CompileRequest(model="tiny", hw="tiny"))
@@ -225,10 +227,11 @@ def test_learnt_lp_bounds_and_stages_priced_side_by_side_change_no_choice(gpu_mi
         return solve(problem)
     plain.lower_bound = solve.lower_bound
 
-    def learning(problem, lp_bounds=None):
-        return solve(problem, lp_bounds=lp_bounds)
+    def learning(problem, lp_bounds=None, floors=None):
+        return solve(problem, lp_bounds=lp_bounds, floors=floors)
     learning.lower_bound = solve.lower_bound
     learning.count_bounds = lambda problem: taught.append(problem) or solve.count_bounds(problem)
+    learning.count_lines = solve.count_lines
     monkeypatch.setenv("HETPLAN_JOBS", "1")
     want = plan_pipeline(spec, hw, WL, plain)
     monkeypatch.setenv("HETPLAN_JOBS", "2")
