@@ -13,9 +13,8 @@ This module knows shapes, FLOPs and bytes; it knows nothing about machines or se
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-
-import networkx as nx
 
 from hetplan import cost
 from hetplan.cost import Work
@@ -67,18 +66,12 @@ class BlockGraph:
     """phase -> tuple of Stage, in execution order."""
 
     def block(self, name: str) -> Block:
-        return self._index()[name]
+        return self._index[name]
 
+    @functools.cached_property
     def _index(self) -> dict:
+        """name -> block, built on the first lookup."""
         return {b.name: b for b in self.blocks}
-
-    def to_networkx(self) -> nx.DiGraph:
-        """Blocks as nodes (with their attributes), data flow as edges."""
-        g = nx.DiGraph()
-        for b in self.blocks:
-            g.add_node(b.name, kind=b.kind, layer=b.layer, weight_bytes=b.weight_bytes)
-        nx.add_path(g, [b.name for b in self.blocks])
-        return g
 
 
 def block_graph(spec: ModelSpec, wl: Workload, routing=None) -> BlockGraph:
