@@ -283,14 +283,14 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
             return None
         return ilp.lp_bound_s(problem, relaxed(problem), floor)
 
-    def count_bounds(problem: Problem) -> dict | None:
-        """``ilp.count_bounds`` of ``problem``; None where ``lower_bound`` is not the LP's, or the
-        stage cannot fit (``lower_bound`` says inf)."""
+    def count_bounds(problem: Problem, known: dict | None = None) -> dict | None:
+        """``ilp.count_bounds`` of ``problem`` (``known``: its); None where ``lower_bound`` is not
+        the LP's, or the stage cannot fit (``lower_bound`` says inf)."""
         from hetplan.solvers import ilp
 
         if strategy != "ilp" or not fits_at_all(problem):
             return None
-        return ilp.count_bounds(problem, relaxed(problem))
+        return ilp.count_bounds(problem, relaxed(problem), known)
 
     def count_lines(problem: Problem, slopes: dict, hi: int) -> dict:
         """``ilp.count_lines``: the lines, over every count from 2 to ``hi`` of the stages of

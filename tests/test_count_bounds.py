@@ -144,3 +144,28 @@ def test_a_count_milp_stopped_at_its_line_decides_as_one_solved_to_the_end(gpu_m
         assert floored.status == "optimal"
         assert floored.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
         assert floored.bound_s <= floored.objective_s and floored.mip_gap <= 1e-9
+
+
+@pytest.mark.parametrize("gpu_mib", [3, 64])
+def test_lps_known_from_other_counts_spare_the_configurations_that_cannot_be_the_least(gpu_mib):
+    """``count_bounds(known=...)`` with what two other counts' certificates teach each
+    configuration: the least over configurations is the least of every LP solved afresh, a
+    configuration not solved says only its known bound, at its own count, and (on the small GPU,
+    where the configurations' LPs lie apart) some are not solved."""
+    from hetplan.solvers.ilp.counts import Envelope
+
+    hw = tiny_node(gpu_mib / 1024)
+    env = Envelope()
+    for n in (3, 9):
+        for config, bound in count_bounds(device_problem(SPEC, hw, WL, 0, n)).items():
+            env.add(config, bound)
+    problem = device_problem(SPEC, hw, WL, 0, 6)
+    full = count_bounds(problem)
+    known = {c: env.config_at(c, 6) for c in env.certs}
+    got = count_bounds(problem, known=known)
+    assert min(b.value_s for b in got.values()) == min(b.value_s for b in full.values())
+    spared = [c for c in got if not got[c].solved]
+    assert spared or gpu_mib == 64, "every configuration was solved: the case tests nothing"
+    for c in spared:
+        assert got[c].value_s == known[c] <= full[c].value_s * (1 + 1e-9)
+        assert got[c].at(5) == -math.inf

@@ -243,15 +243,17 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def refined(s):   # what refining stage ``s`` finds (pure: it may run in a forked child)
         k, a, b = s
         problem = device_problem(spec, machines[k], wl, a, b, copies)
-        counts = counted(problem) if counted else None
+        f = family(key(*s))   # what its kind's other lengths taught of each configuration's LP
+        known = {c: learnt[f].config_at(c, b - a) for c in learnt[f].certs} if f in learnt else None
+        counts = counted(problem, known) if counted else None
         return counts if counts is not None else cheap(problem, lower(k, a, b))
 
     def learn(s, found) -> None:
         if isinstance(found, dict):   # every configuration's LP, each a bound on every length of this kind of stage
             for config, bound in found.items():
                 learnt.setdefault(family(key(*s)), Envelope()).add(config, bound)
-            relaxed[key(*s)] = {config: bound.value_s for config, bound in found.items()}
-            found = min(relaxed[key(*s)].values())
+            relaxed[key(*s)] = {config: bound.value_s for config, bound in found.items() if bound.solved}
+            found = min(bound.value_s for bound in found.values())
         bounds[key(*s)] = found
 
     def refine(k, a, b):

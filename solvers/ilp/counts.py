@@ -72,6 +72,9 @@ class CountBound:
     count (``LayerModel.scaled``)."""
     margin_s: float = 0.0
     """Subtracted from every bound but ``n``'s: the duality gap the check allowed, and rounding."""
+    solved: bool = True
+    """False: the LP was not solved, ``value_s`` a lower bound on it that other counts taught
+    (``per_block.count_bounds``'s ``known``)."""
 
     def slope(self) -> float | None:
         """Weighted ms per layer from this certificate's count to the next: the LP's slope there

@@ -454,21 +454,32 @@ def count_configurations(problem: Problem, depths) -> list:
     return [(d, w, c) for d, w in configurations(problem, depths, True) for c in modes]
 
 
-def count_bounds(problem: Problem, opts: IlpOptions | None = None) -> dict | None:
+def count_bounds(problem: Problem, opts: IlpOptions | None = None, known: dict | None = None) -> dict | None:
     """{configuration: ``counts.CountBound``}: the LP relaxation of the count MILP of every
     configuration (both KV modes at once: the model that reserves nothing for copies of the
     prompt's KV relaxes both), each read as a lower bound on that configuration at every layer
     count of the same kind of stage (``counts``); the least over configurations at this
-    problem's count is ``lp_bound_s`` (without a floor). None where ``lp_bound_s`` is."""
-    from hetplan.solvers.ilp.counts import count_bound
+    problem's count is ``lp_bound_s`` (without a floor). None where ``lp_bound_s`` is.
+    ``known``: {configuration: a lower bound on its LP here} (what other counts taught): the
+    configurations are taken in order of it, and one whose bound is at least the least LP solved
+    so far is not solved (it cannot be the least); its entry bounds this count alone, by it."""
+    from hetplan.solvers.ilp.counts import CountBound, count_bound
 
     opts = opts or IlpOptions()
     shape = _count_shape(problem, opts)
     if shape is None:
         return None
     unit = memory_unit(problem)
-    return {c: count_bound(LayerModel(problem, shape, *c, unit), opts)
-            for c in configurations(problem, opts.depths, True)}
+    known = known or {}
+    configs = configurations(problem, opts.depths, True)
+    out, least = {}, math.inf
+    for c in sorted(configs, key=lambda c: (known.get(c, -math.inf), configs.index(c))):
+        if known.get(c, -math.inf) >= least:
+            out[c] = CountBound(len(shape.layers), known[c], solved=False)
+            continue
+        out[c] = count_bound(LayerModel(problem, shape, *c, unit), opts)
+        least = min(least, out[c].value_s)
+    return {c: out[c] for c in configs}
 
 
 def count_lines(problem: Problem, slopes: dict, hi: int, opts: IlpOptions | None = None) -> dict:

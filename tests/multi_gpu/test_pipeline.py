@@ -216,8 +216,8 @@ def test_learnt_lp_bounds_and_stages_priced_side_by_side_change_no_choice(gpu_mi
     """The search that learns every stage length's LP bound from the stages it refines
     (``count_bounds``) and each kind of stage's count MILP lines from the first it prices
     (``count_lines``: bounds for the DP, floors for the MILPs of the stages priced after it), and
-    prices stages in forked children, chooses what the plain search chooses (one process, each
-    stage's own LP bound)."""
+    prices stages in forked children, chooses the stages the plain search chooses, each as fast
+    (one process, each stage's own LP bound)."""
     spec = tiny_spec(n_layers=8)
     hw = two_gpus(gpu_mib / 1024, second_mib / 1024)
     solve = stage_solver(CompileRequest(model="tiny", hw="tiny"))
@@ -230,7 +230,7 @@ def test_learnt_lp_bounds_and_stages_priced_side_by_side_change_no_choice(gpu_mi
     def learning(problem, lp_bounds=None, floors=None):
         return solve(problem, lp_bounds=lp_bounds, floors=floors)
     learning.lower_bound = solve.lower_bound
-    learning.count_bounds = lambda problem: taught.append(problem) or solve.count_bounds(problem)
+    learning.count_bounds = lambda problem, known=None: taught.append(problem) or solve.count_bounds(problem, known)
     learning.count_lines = solve.count_lines
     monkeypatch.setenv("HETPLAN_JOBS", "1")
     want = plan_pipeline(spec, hw, WL, plain)
@@ -239,5 +239,7 @@ def test_learnt_lp_bounds_and_stages_priced_side_by_side_change_no_choice(gpu_mi
     assert [(s.gpu, s.first_layer, s.end_layer) for s in got.stages] == \
         [(s.gpu, s.first_layer, s.end_layer) for s in want.stages]
     assert got.predicted() == want.predicted()
-    assert [s.plan.placement for s in got.stages] == [s.plan.placement for s in want.stages]
+    # each stage as fast (a count MILP stopped at its line takes the first plan that reaches it:
+    # between plans of equal cost, a placement may differ)
+    assert [s.plan.predicted for s in got.stages] == [s.plan.predicted for s in want.stages]
     assert taught or len(want.stages) == 1
