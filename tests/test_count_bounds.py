@@ -94,6 +94,16 @@ def test_the_envelope_kept_as_certificates_arrive_is_the_least_over_configuratio
             for m in range(2, 11):
                 want = min(max(b.at(m) for b in certs) for certs in added.values())
                 assert env.at(m) == want, (n, config, m)
+    from hetplan.solvers.ilp import count_lines
+
+    problem = device_problem(SPEC, hw, WL, 0, 5)
+    lines = count_lines(problem, {c: b.slope() for c, b in count_bounds(problem).items() if b.value_s < math.inf}, 10)
+    env.add_lines(lines)   # a configuration with lines: the least of its KV modes' lines where higher
+    for m in range(2, 11):
+        want = min(max(max(b.at(m) for b in certs),
+                       min((l.at_ms(m) / 1000 for c, l in lines.items() if c[:2] == config), default=-math.inf))
+                   for config, certs in added.items())
+        assert env.at(m) == want, m
 
 
 def milp_ms(hw, kind: str, m: int, config) -> float:

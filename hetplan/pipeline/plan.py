@@ -184,7 +184,6 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     faster, with its own count (never on two devices); the plan it returns is sized consistently."""
     from hetplan.pipeline.forked import forked_map
     from hetplan.solvers.ilp.counts import Envelope
-    from hetplan.solvers.ilp.objective import MS
     from hetplan.solvers.pipeline import TIE, best_split
 
     topo = Topology.of(hw)
@@ -196,7 +195,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     kind = [machines.index(m) for m in machines]  # equal devices share prices
     copies = micro_batch_count(objective, len(devices))
     key = _stage_key(spec, machines)
-    plans, bounds, stage_bounds, learnt, lines = _memos(solve_stage, spec, wl)
+    plans, bounds, stage_bounds, learnt = _memos(solve_stage, spec, wl)
     relaxed: dict = {}   # stage key -> {configuration: its LP's value}, of the stages refined
 
     def solved(s, n_kv=None):   # the stage's plan (pure: it may run in a forked child)
@@ -206,11 +205,10 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         if n_kv != copies:
             return solve_stage(problem)
         f, m = family(key(*s)), b - a
-        floors = {c: line.at_ms(m) for c, line in lines.get(f, {}).items()}
+        floors = {c: line.at_ms(m) for c, line in (learnt[f].lines or {}).items()} if f in learnt else {}
         # its LPs, solved when it was refined, else what its kind of stage learnt of them; its count
         # MILPs' lines, learnt from a stage of its kind
-        known = relaxed.get(key(*s)) or ({c: v for c in learnt[f].certs if (v := learnt[f].config_at(c, m)) > -math.inf}
-                                         if f in learnt else None)
+        known = relaxed.get(key(*s)) or {c: v for c, v in taught_lps(key(*s)).items() if v > -math.inf}
         given = {"lp_bounds": known, "floors": floors}
         return solve_stage(problem, **{k: v for k, v in given.items() if v})
 
@@ -229,23 +227,19 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         return at[:1] + at[2:]
 
     def taught(at):   # the bound of the stages of key ``at`` that its family's refinements and lines teach
-        f, m = family(at), at[1]
-        if f not in learnt:
-            return -math.inf
-        if f not in lines:
-            return learnt[f].at(m)
-        best = []   # per (depth, slot): its LPs' best, or its lines' least over KV modes where higher
-        for config in learnt[f].certs:
-            modes = [line.at_ms(m) / MS for c, line in lines[f].items() if c[:2] == config]
-            best.append(max(learnt[f].config_at(config, m), min(modes, default=-math.inf)))
-        return min(best, default=-math.inf)
+        return learnt[family(at)].at(at[1]) if family(at) in learnt else -math.inf
+
+    def taught_lps(at) -> dict:   # {(depth, slot): what its kind's other lengths taught of its LP at key ``at``}
+        f = family(at)
+        return {c: learnt[f].config_at(c, at[1]) for c in learnt[f].certs} if f in learnt else {}
+
+    def lined(at) -> bool:   # whether the kind of stage of key ``at`` has its count MILPs' lines
+        return family(at) in learnt and learnt[family(at)].lines is not None
 
     def refined(s):   # what refining stage ``s`` finds (pure: it may run in a forked child)
         k, a, b = s
         problem = device_problem(spec, machines[k], wl, a, b, copies)
-        f = family(key(*s))   # what its kind's other lengths taught of each configuration's LP
-        known = {c: learnt[f].config_at(c, b - a) for c in learnt[f].certs} if f in learnt else None
-        counts = counted(problem, known) if counted else None
+        counts = counted(problem, taught_lps(key(*s))) if counted else None
         return counts if counts is not None else cheap(problem, lower(k, a, b))
 
     def learn(s, found) -> None:
@@ -259,13 +253,13 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     def refine(k, a, b):
         if not refines:
             return None
-        if family(key(k, a, b)) in lines:   # its kind's lines bound it closer than its LPs would
+        if lined(key(k, a, b)):   # its kind's lines bound it closer than its LPs would
             return taught(key(k, a, b))
         if key(k, a, b) not in bounds:
             learn((k, a, b), refined((k, a, b)))
         return bounds[key(k, a, b)]
 
-    def lined(job):   # the lines a priced stage asks for (pure: it may run in a forked child)
+    def line_job(job):   # the lines a priced stage asks for (pure: it may run in a forked child)
         (k, a, b), slopes = job
         return solve_stage.count_lines(device_problem(spec, machines[k], wl, a, b, copies), slopes, L)
 
@@ -281,7 +275,7 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
 
     def prepare(stages, refining):   # the stages the search asks for next, side by side
         if refining:
-            todo = [s for s in stages if refines and key(*s) not in bounds and family(key(*s)) not in lines]
+            todo = [s for s in stages if refines and key(*s) not in bounds and not lined(key(*s))]
             for s, found in zip(todo, forked_map(refined, todo)):
                 learn(s, found)
             return
@@ -292,10 +286,10 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
             return
         jobs = {}   # the first stage priced of each kind: the lines of its count MILPs
         for s in todo:
-            if family(key(*s)) not in lines and family(key(*s)) not in jobs and (found := slopes(s)):
+            if not lined(key(*s)) and family(key(*s)) not in jobs and (found := slopes(s)):
                 jobs[family(key(*s))] = (s, found)
-        for f, found in zip(jobs, forked_map(lined, list(jobs.values()))):
-            lines[f] = found
+        for f, found in zip(jobs, forked_map(line_job, list(jobs.values()))):
+            learnt[f].add_lines(found)
 
 
     def stage(k, a, b, n_kv=None):
@@ -337,19 +331,19 @@ def pipeline_lower_bound(spec: ModelSpec, hw, wl: Workload, objective: str = "su
 
 def _memos(solve_stage, spec: ModelSpec, wl: Workload) -> tuple:
     """(plans, refined bounds) of stages, by stage key (``_stage_key``), the ``StageBound`` of
-    each device description, the ``CountBound``s learnt per kind of stage (its key without
-    the layer count), an ``Envelope`` of each, and the lines of its count MILPs (``count_lines``,
-    by configuration): dicts of this search alone, or, where ``solve_stage`` carries a
+    each device description, and what each kind of stage (its key without the layer count)
+    learnt of every length of it (an ``Envelope``: its ``CountBound``s and its count MILPs'
+    lines): dicts of this search alone, or, where ``solve_stage`` carries a
     ``memo`` (``stage_solver``'s, shared by the candidates of one ``compile --serve``), its
     entries for this model and workload (the StageBounds in its ``shared_memo``, which every
     strategy and ``ThroughputBound`` read: they bound any plan)."""
     memo = getattr(solve_stage, "memo", None)
     if memo is None:
-        return {}, {}, {}, {}, {}
+        return {}, {}, {}, {}
     scope = (json.dumps(spec.to_dict(), sort_keys=True), wl)
     return (memo.setdefault(("plans", *scope), {}), memo.setdefault(("bounds", *scope), {}),
             stage_bounds_memo(getattr(solve_stage, "shared_memo", memo), spec, wl),
-            memo.setdefault(("counts", *scope), {}), memo.setdefault(("lines", *scope), {}))
+            memo.setdefault(("counts", *scope), {}))
 
 
 def stage_bounds_memo(memo: dict, spec: ModelSpec, wl: Workload) -> dict:

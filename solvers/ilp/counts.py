@@ -36,7 +36,7 @@ a line, exact wherever the MILP is a line of that slope (beyond a device's HBM e
 adds the same seconds, and the LP, a line there too, gives the slope), below it elsewhere. The
 pipeline search prices the stages of one kind at many counts; with the line of each of their
 configurations, a count MILP stops at the first plan that reaches the line
-(``LayerModel.floor_ms``) and a configuration whose line lies above the plan found is not solved.
+(``LayerModel.solve``'s ``floor_ms``) and a configuration whose line lies above the plan found is not solved.
 
 Only for the objectives whose weights do not depend on the layer count (``latency``,
 ``throughput``: 1 and ``gen_len``; ``ttft``/``tpot`` weigh the other phase by the problem's
@@ -175,12 +175,14 @@ def _paired(duals, lower, upper) -> float:
 
 class Envelope:
     """The bound a kind of stage's refinements teach each of its lengths: at ``m`` layers, the
-    least over configurations of the best ``CountBound`` of each (-inf while one has none), kept
-    up to date as certificates are added."""
+    least over configurations of the best ``CountBound`` of each (-inf while one has none), or,
+    for a configuration whose count MILPs have lines (``count_lines``, one per KV mode), the
+    least of those where higher; kept up to date as certificates and lines are added."""
 
     def __init__(self):
-        self.certs: dict = {}   # configuration -> its CountBounds
-        self._best: dict = {}   # configuration -> {m: the best of its CountBounds at m}
+        self.certs: dict = {}   # (depth, slot) -> its CountBounds
+        self.lines: dict | None = None   # count MILP configuration -> its LineBound, once learnt
+        self._best: dict = {}   # (depth, slot) -> {m: the best of its CountBounds at m}
         self._at: dict = {}     # m -> the envelope there
 
     def add(self, config, cert: CountBound) -> None:
@@ -190,10 +192,22 @@ class Envelope:
             best[m] = max(best[m], cert.at(m))
         self._at.clear()
 
+    def add_lines(self, lines: dict) -> None:
+        """``count_lines``' lines (possibly none): the kind of stage has its lines now."""
+        self.lines = dict(lines)
+        self._at.clear()
+
     def at(self, m: int) -> float:
         if m not in self._at:
-            self._at[m] = min((self.config_at(config, m) for config in self.certs), default=-math.inf)
+            self._at[m] = min((max(self.config_at(config, m), self._line_at(config, m)) for config in self.certs),
+                              default=-math.inf)
         return self._at[m]
+
+    def _line_at(self, config, m: int) -> float:
+        """The least over KV modes of (depth, slot) ``config``'s lines at ``m`` (stated seconds);
+        -inf without lines."""
+        modes = [line.at_ms(m) / MS for c, line in (self.lines or {}).items() if c[:2] == config]
+        return min(modes, default=-math.inf)
 
     def config_at(self, config, m: int) -> float:
         """The best certificate of ``config`` at ``m`` layers (stated seconds)."""

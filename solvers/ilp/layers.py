@@ -62,8 +62,9 @@ from hetplan.solvers.ilp.objective import (MS, Weights, block_costs, bus_bytes, 
 
 MAX_CUT_ROUNDS = 50
 FLOOR_SLACK = 1e-9
-"""A plan within this relative distance of a proven lower bound (``LayerModel.floor_ms``) is
-taken as optimal (the MILP's value and the bound sum the same times in another order)."""
+"""A plan within this relative distance of a proven lower bound (``LayerModel.solve``'s
+``floor_ms``) is taken as optimal (the MILP's value and the bound sum the same times in another
+order)."""
 
 
 @dataclass(frozen=True)
@@ -267,9 +268,6 @@ class LayerModel:
         first, last, layer = shape.first, shape.last, shape.layers[0]
         self.L = L = len(shape.layers) if count_range is None else count_range[1]
         self.count = None if count_range is None else pulp.LpVariable("layers", *count_range, cat="Integer")
-        self.floor_ms = None
-        """A proven lower bound on this MILP's optimum (weighted ms), or None: ``solve`` stops at
-        the first plan within ``FLOOR_SLACK`` of it (``counts.count_line``)."""
         self.first_opts = block_options(problem, first, slot_bytes)
         self.last_opts = block_options(problem, last, slot_bytes)
         self.layer_opts = [opts for opts in itertools.product(*(block_options(problem, b, slot_bytes) for b in layer))
@@ -456,13 +454,15 @@ class LayerModel:
             return float("inf")
         return self.weights.stated_bound_s(info.objective_function_value)
 
-    def solve(self, opts, cutoff_ms: float | None):
-        """-> (status, info, walk or None, seconds)."""
+    def solve(self, opts, cutoff_ms: float | None, floor_ms: float | None = None):
+        """-> (status, info, walk or None, seconds). ``floor_ms``: a proven lower bound on the
+        optimum (weighted ms; ``counts.count_line``'s), at which HiGHS stops: the first plan within
+        ``FLOOR_SLACK`` of it is optimal (status ``objective_target``, ``result``)."""
         t0 = time.perf_counter()
         for _ in range(MAX_CUT_ROUNDS):
             if opts.dump_lp:
                 self.prob.writeLP(opts.dump_lp)
-            target = {} if self.floor_ms is None else {"objective_target": self.floor_ms * (1 + FLOOR_SLACK)}
+            target = {} if floor_ms is None else {"objective_target": floor_ms * (1 + FLOOR_SLACK)}
             status, info = run_highs(self.prob, highs_solver(opts, cutoff_ms, mip_max_nodes=opts.max_nodes, **target))
             if info.primal_solution_status != 2:
                 return status, info, None, time.perf_counter() - t0
@@ -494,13 +494,13 @@ class LayerModel:
     def size(self) -> tuple:
         return (sum(1 for v in self.prob.variables() if v.cat == "Integer"), len(self.prob.constraints))
 
-    def result(self, status, info, walk, seconds):
+    def result(self, status, info, walk, seconds, floor_ms: float | None = None):
         """(decision or None, status, stated objective s, stated bound s, seconds, size); a plan
-        that reached the ``floor_ms`` target is optimal, the floor its bound."""
+        that reached the ``floor_ms`` target ``solve`` was given is optimal, the floor its bound."""
         obj, bound = self.weights.read(self.T, status, info)
         if walk is None:
             return None, status, float("inf"), bound, seconds, self.size()
         if status == "objective_target":
-            status, bound = "optimal", min(obj, max(bound, self.weights.stated_bound_s(self.floor_ms)))
+            status, bound = "optimal", min(obj, max(bound, self.weights.stated_bound_s(floor_ms)))
         return self.decision(walk), status, obj, bound, seconds, self.size()
 

@@ -373,8 +373,9 @@ def configurations(problem: Problem, depths, by_slot: bool) -> list:
 
 
 def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
-                  cutoff_s: float | None) -> IlpResult | None:
-    """The count MILP of one configuration (``layers``), or None when the plan it finds, timed
+                  cutoff_s: float | None, floor_ms: float | None = None) -> IlpResult | None:
+    """The count MILP of one configuration (``layers``; ``floor_ms``: ``LayerModel.solve``'s),
+    or None when the plan it finds, timed
     with every task at its nominal duration (the timeline both MILPs' chains model), takes
     longer than the MILP's value (the prompt's KV copies, which it leaves out, end after the
     chain): the per-block MILP must then decide this configuration."""
@@ -382,7 +383,7 @@ def _solve_layers(problem: Problem, model: LayerModel, opts: IlpOptions,
     from hetplan.schedule import build_schedule
 
     cutoff_ms = model.weights.cutoff_ms(cutoff_s) if cutoff_s is not None else None
-    dec, status, obj, bound, secs, size = model.result(*model.solve(opts, cutoff_ms))
+    dec, status, obj, bound, secs, size = model.result(*model.solve(opts, cutoff_ms, floor_ms), floor_ms)
     if dec is None:
         return IlpResult(None, status, float("inf"), float("inf"), bound, secs, *size)
     replayed = objective_s(problem, predictions(problem, build_schedule(problem, dec, shared_buses=False)))
@@ -515,7 +516,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
     known already (``count_bounds``' ``value_s``), not computed again; ``floors``: {count MILP
     configuration (``count_configurations``'s): a proven lower bound on its MILP here, weighted
     ms} (``count_line``'s), which rules a configuration out as its LP would, and at which its
-    MILP stops (``LayerModel.floor_ms``)."""
+    MILP stops (``LayerModel.solve``'s ``floor_ms``)."""
     opts = opts or IlpOptions()
     if not problem.has_gpu:
         from hetplan.solvers.baselines import all_cpu
@@ -536,7 +537,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
         relaxed = {c[:2]: known[c[:2]] if c[:2] in known else layer_model(c[:2] + (None,)).lp_bound_s(opts)
                    for c in configs}   # (both KV modes' relaxation)
         floors = floors or {}
-        stated = Weights(problem).stated_bound_s
+        stated = Weights(problem).stated_bound_s if floors else None
         lp = {c: max(relaxed[c[:2]], stated(floors[c]) if c in floors else -math.inf) for c in configs}
         configs = sorted(configs, key=lambda c: (lp[c], configs.index(c)))
     t_setup = time.perf_counter()
@@ -566,8 +567,7 @@ def solve(problem: Problem, opts: IlpOptions | None = None, lp_bounds: dict | No
                 results.append(IlpResult(None, "optimal", 0.0, float("inf"), min(lp[config], cutoff),
                                          0.0, *size))
                 continue
-            layer_model(config).floor_ms = floors.get(config)
-            res = _solve_layers(problem, layer_model(config), config_opts, cutoff)
+            res = _solve_layers(problem, layer_model(config), config_opts, cutoff, floors.get(config))
         if res is None and (depth, slot) in chains:
             res = _solve_chain(chains[depth, slot], weights, config_opts, cutoff)
         if res is None:
