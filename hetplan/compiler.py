@@ -259,8 +259,9 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
     ``decide``'s ``moe_chain``); its ``lower_bound(problem)`` bounds that plan's objective
     cheaply (the MILP's LP relaxation), or is None; its ``count_bounds(problem)`` bounds it at
     every layer count of the same kind of stage from the same relaxations (``ilp.count_bounds``),
-    or is None; its ``count_lines`` bound the count MILPs at every count by one MILP each, for
-    ``solve``'s ``floors``."""
+    or is None; its ``count_lines`` bound the count MILPs at every count by a line each (a few
+    MILPs), for ``solve``'s ``floors``; its ``gap``, the relative gap its plans are proven
+    optimal to (``--mip-gap`` for the MILP, 0 for a heuristic, whose plan is its own price)."""
     def solve(problem: Problem, lp_bounds: dict | None = None, floors: dict | None = None) -> Plan | None:
         """``lp_bounds``: ``count_bounds(problem)``'s values where known; ``floors``: its count
         MILPs' lines there (``count_lines``; both ``ilp.solve``'s)."""
@@ -309,6 +310,7 @@ def stage_solver(req: CompileRequest, strategy: str = "ilp", arg: int | None = N
                               count_layers=not (moe_stages and bool(problem.experts)))
 
     solve.lower_bound = lower_bound
+    solve.gap = req.mip_gap if strategy == "ilp" else 0.0   # how exact its prices are: the split's as well
     solve.count_bounds = count_bounds
     solve.count_lines = count_lines
     if req.stage_memo is not None:

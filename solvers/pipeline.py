@@ -39,6 +39,12 @@ optimistic optimum before it is priced: the DP runs again, and only a stage stil
 at its refined bound is priced. Where refining rarely tightens a bound (more than
 ``REFINE_SLACK`` wasted refinements beyond the useful ones), the search stops refining.
 
+With a ``gap`` (relative), the search stops as soon as a split made of priced stages costs at
+most ``1 + gap`` times the optimistic optimum: no split is cheaper by more than that. Stage
+prices that are MILPs solved to a relative gap are only that exact, and where many splits cost
+the same (layers beyond HBM, each adding the same seconds wherever it goes) but their bounds lie
+a hair below their prices, an exact search would price every one of them.
+
 With a ``ceiling``, the search stops as soon as the optimistic optimum exceeds it: every split
 costs more, and the caller (weighing several searches) has one at least that good already.
 
@@ -72,7 +78,7 @@ class Split:
 def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, objective: str = "sum",
                lower: Callable | None = None, key: Callable | None = None,
                monotone: bool = True, ceiling: float = math.inf, refine: Callable | None = None,
-               learnt: Callable | None = None, prepare: Callable | None = None) -> Split | None:
+               learnt: Callable | None = None, prepare: Callable | None = None, gap: float = 0.0) -> Split | None:
     """The cheapest split of ``n_layers`` layers over GPUs ``0..n_gpus-1``; None when none fits;
     an ``outclassed`` Split when every split costs more than ``ceiling`` (module docstring).
     ``refine(k, a, b)``: a tighter lower bound than ``lower``, dearer than it and cheaper than
@@ -81,11 +87,12 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     stages with equal keys cost the same (equal GPUs, equal layers), so one is priced for all;
     ``monotone``: prices never decrease as a stage takes more layers (module docstring);
     ``learnt(key)``: a lower bound on the stages of ``key`` that refinements of other stages
-    teach (it may rise as ``refine`` runs), asked again for every key after each round of
-    refinements; ``prepare(stages, refining)``: called
+    teach (it may rise as ``refine`` runs, and as stages are priced), asked again for every key
+    after each round of refinements or prices; ``prepare(stages, refining)``: called
     with the stages (one per key) about to be refined (``refining``) or priced, before they are,
     so that the caller may compute them together (side by side) and answer the calls that follow
-    from what it kept."""
+    from what it kept; ``gap``: a split of priced stages within this relative gap of the
+    optimistic optimum is returned (module docstring; 0: only the optimum)."""
     if objective not in ("sum", "max"):
         raise ValueError(f"objective must be 'sum' or 'max', got {objective!r}")
     L, K = n_layers, n_gpus
@@ -111,6 +118,8 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     for (k, a, b), v in bound.items():
         opt[k][a][b] = v
     level: dict = {}  # key -> (value, priced) its stages were last set at
+    exact = [[[math.inf] * (L + 1) for _ in range(L + 1)] for _ in range(K)]   # priced stages alone
+    settled = (math.inf, ())   # the cheapest split of priced stages (``gap``), after each pricing
 
     def lift(changed) -> None:   # the stages of keys whose price or bounds may have changed
         for x in changed:
@@ -120,6 +129,8 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
                 v, priced = now
                 for k, a, b in stages_of[x]:
                     opt[k][a][b] = v if priced else max(bound[k, a, b], v)
+                    if priced:
+                        exact[k][a][b] = v
             if x in price or x in refined:
                 for k, a, b in stages_of[x]:
                     known[k][a][b] = opt[k][a][b]
@@ -133,6 +144,8 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         unpriced = [s for s in stages if keys[s] not in price]
         if not unpriced:
             return Split(stages, cost, len(price))
+        if settled[1] and settled[0] <= cost * (1 + gap):
+            return Split(settled[1], settled[0], len(price))
         rough = _one_per_key([s for s in unpriced if refine is not None and keys[s] not in refined], keys)
         if rough:
             if prepare is not None:
@@ -156,7 +169,13 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         for s in unpriced:
             if keys[s] not in price:
                 price[keys[s]] = stage(*s)
-        lift({keys[s] for s in unpriced})
+        if learnt is not None:   # what the prices taught (``prepare`` may learn from them too)
+            taught = {x: learnt(x) for x in stages_of}
+            lift(stages_of)
+        else:
+            lift({keys[s] for s in unpriced})
+        if gap > 0:
+            settled = _cheapest(exact, links, L, K, objective)
 
 
 def _one_per_key(stages: list, keys: dict) -> list:

@@ -9,6 +9,7 @@ import pytest
 from hetplan.diagnose import fits_at_all
 from hetplan.pipeline.stages import device_problem
 from hetplan.solvers.ilp import IlpOptions, count_bounds, solve
+from hetplan.solvers.ilp.counts import LineBound
 from hetplan.solvers.ilp.layers import LayerModel, layered
 from hetplan.solvers.ilp.per_block import memory_unit
 from hetplan.workload import Workload
@@ -121,8 +122,9 @@ def milp_ms(hw, kind: str, m: int, config) -> float:
 @pytest.mark.parametrize("kind", ["first", "middle", "last"])
 def test_one_milp_with_the_count_free_bounds_the_count_milp_at_every_count_by_a_line(gpu_mib, kind):
     """``count_lines`` from a stage of 6 layers, at the slope of each configuration's LP
-    certificate: below the count MILP solved afresh at every count, and on it where every layer
-    is resident (the MILP a line)."""
+    certificate: below the count MILP solved afresh at every count, on it where every layer is
+    resident (the MILP a line) and at the count of each step's plan; its steps raise it above
+    the line of one MILP where the MILP bends."""
     from hetplan.solvers.ilp import count_lines
 
     hw = tiny_node(gpu_mib / 1024)
@@ -130,12 +132,19 @@ def test_one_milp_with_the_count_free_bounds_the_count_milp_at_every_count_by_a_
     slopes = {c: b.slope() for c, b in count_bounds(problem).items() if b.value_s < math.inf}
     lines = count_lines(problem, slopes, 10)
     assert lines and {c[:2] for c in lines} == set(slopes)
+    raised = 0
     for config, line in lines.items():
+        first = LineBound(line.hi, line.slope, line.steps[:1])   # the line of one MILP, not raised
         for m in range(2, 11):
             want = milp_ms(hw, kind, m, config)
-            assert line.at_ms(m) <= want * (1 + 1e-9), (config, m)
+            assert first.at_ms(m) <= line.at_ms(m) <= want * (1 + 1e-9), (config, m)
+            raised += line.at_ms(m) > first.at_ms(m) * (1 + 1e-6)
             if gpu_mib == 64:
                 assert line.at_ms(m) == pytest.approx(want, rel=1e-8), (config, m)
+        for _, value, at in line.steps:   # each step meets the MILP at the count of its plan
+            if value < math.inf:
+                assert at is not None and line.at_ms(at) == pytest.approx(milp_ms(hw, kind, at, config), rel=1e-8)
+    assert raised or gpu_mib == 64   # where the MILP bends (HBM full), the steps raise the line
 
 
 @pytest.mark.parametrize("gpu_mib", [3, 64])

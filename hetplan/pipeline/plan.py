@@ -173,6 +173,8 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
     distinct (kind of device, layer count, holds embed, holds head, dense layers) and cached, and
     only where their cheap lower bound (``StageBound``) cannot rule them out; a stage's seconds
     are what the workload's objective minimises of it (``sum``), or its ``tpot_s`` (``max``).
+    The split is optimal within ``solve_stage.gap`` (relative; 0 without it), the gap its
+    prices are proven to (``best_split``'s ``gap``).
 
     KV caches: each stage holds one per micro-batch in flight (``micro_batch_count``). Under
     ``max`` that is the number of stages, which the split decides; the split is searched with
@@ -297,7 +299,8 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
         return math.inf if p is None else seconds(p.predicted["ttft_s"], p.predicted["tpot_s"])
 
     split = best_split(L, len(devices), stage, link, objective, lower, key, ceiling=ceiling, refine=refine,
-                       learnt=taught if counted is not None else None, prepare=prepare)
+                       learnt=taught if counted is not None else None, prepare=prepare,
+                       gap=getattr(solve_stage, "gap", 0.0))
     if split is not None and split.outclassed:
         raise Outclassed(split.cost_s)
     if split is None:

@@ -32,9 +32,14 @@ optimum (bound) ``W <= MILP(m) - slope m`` for each ``m``, so
 
     MILP(m) >= W + slope m
 
-a line, exact wherever the MILP is a line of that slope (beyond a device's HBM each layer more
-adds the same seconds, and the LP, a line there too, gives the slope), below it elsewhere. The
-pipeline search prices the stages of one kind at many counts; with the line of each of their
+a line, for any slope; exact wherever the MILP is a line of that slope (beyond a device's HBM
+each layer more adds the same seconds, and the LP, a line there too, gives the slope), below it
+elsewhere. Where the MILP steps up (the first layer HBM cannot hold starts the streaming and
+its staging), a line over the whole range touches it below the step only and lies under every
+count beyond it. So the line is raised in steps: the MILP's plan at the count ``m*`` where it
+meets the line, and the same MILP solved again over ``[m* + 1, hi]``, whose bound ``W' >= W``
+holds there, up to ``LINE_STEPS`` MILPs; beyond the last step, the line of slope ``slope``
+through the MILP's first count there. The pipeline search prices the stages of one kind at many counts; with the line of each of their
 configurations, a count MILP stops at the first plan that reaches the line
 (``LayerModel.solve``'s ``floor_ms``) and a configuration whose line lies above the plan found is not solved.
 
@@ -97,42 +102,65 @@ class CountBound:
 
 @dataclass(frozen=True)
 class LineBound:
-    """A lower bound on the count MILP of one configuration at every count of ``[lo, hi]``, a
-    line (module docstring)."""
-    lo: int
+    """A lower bound on the count MILP of one configuration at every count of ``[lo, hi]``: a
+    line of ``slope``, raised in steps (module docstring)."""
     hi: int
-    value: float
-    """Weighted ms: the bound of the MILP with the count free and ``slope m`` taken off (inf:
-    infeasible at every count of the range)."""
     slope: float
     """Weighted ms per layer."""
+    steps: tuple
+    """((lo, value, at), ...) in increasing ``lo``: over ``[lo, hi]`` the MILP is at least
+    ``value + slope m`` (weighted ms; inf: infeasible at every count there); ``at``: the count
+    of the plan that MILP with the count free found (where the line meets the MILP when that
+    plan is optimal), or None."""
+
+    @property
+    def lo(self) -> int:
+        return self.steps[0][0]
 
     def at_ms(self, m: int) -> float:
         """The bound at ``m`` layers (weighted ms), less ``LINE_MARGIN``; -inf outside the range."""
         if not self.lo <= m <= self.hi:
             return -math.inf
-        if self.value == math.inf:
+        value = max(v for lo, v, _ in self.steps if lo <= m)
+        if value == math.inf:
             return math.inf
-        line = self.value + self.slope * m
+        line = value + self.slope * m
         return line - LINE_MARGIN * abs(line)
 
 
 LINE_GAP = 1e-12
-"""Relative gap to which ``count_line``'s MILP is solved: the line is as tight as its bound."""
+"""Relative gap to which ``count_line``'s MILPs are solved: the line is as tight as their bounds."""
 LINE_MARGIN = 1e-10
 """Relative slack a line's bound gives up (HiGHS's tolerances)."""
+LINE_STEPS = 2
+"""MILPs with the count free one line is made of at most (module docstring)."""
 
 
 def count_line(model: LayerModel, slope: float, opts) -> LineBound:
     """The line of ``model`` (a count MILP with the count free, ``LayerModel(count_range=...)``)
-    of ``slope`` weighted ms per layer (module docstring). ``opts``: the MILP's options; a bound
-    found at the node limit is still a bound."""
+    of ``slope`` weighted ms per layer, in up to ``LINE_STEPS`` steps (module docstring).
+    ``opts``: the MILP's options; a bound found at the node limit is still a bound."""
     from hetplan.solvers.ilp.per_block import IlpOptions
 
     model.prob.setObjective(model.weights.weighted_ms(model.T) - slope * model.count)
-    status, info, _, _ = model.solve(IlpOptions(**{**opts.__dict__, "mip_rel_gap": LINE_GAP}), None)
-    value = math.inf if status == "infeasible" else info.mip_dual_bound
-    return LineBound(int(model.count.lowBound), int(model.count.upBound), value, slope)
+    line_opts = IlpOptions(**{**opts.__dict__, "mip_rel_gap": LINE_GAP})
+    lo, hi = int(model.count.lowBound), int(model.count.upBound)
+    steps, start = [], lo
+    try:
+        while start <= hi and len(steps) < LINE_STEPS:
+            model.count.lowBound = start
+            status, info, walk, _ = model.solve(line_opts, None)
+            if status == "infeasible":
+                steps.append((start, math.inf, None))
+                break
+            at = int(round(model.count.varValue)) if walk is not None else None
+            steps.append((start, info.mip_dual_bound, at))
+            if at is None:
+                break
+            start = at + 1
+    finally:
+        model.count.lowBound = lo
+    return LineBound(hi, slope, tuple(steps))
 
 
 def count_bound(model: LayerModel, opts) -> CountBound:

@@ -332,3 +332,56 @@ def test_a_refined_bound_raises_the_stages_that_contain_it():
         assert split.cost_s == pytest.approx(40.25) and split.priced == len(split.stages)
         counts[monotone] = len(refined)
     assert counts[True] < counts[False]
+
+
+@pytest.mark.parametrize("objective", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(30))
+def test_a_gap_returns_a_split_of_priced_stages_within_it_of_brute_force(seed, objective):
+    """``gap``: the split returned costs what it says (its stages priced) and at most ``1 + gap``
+    times brute force's optimum, with bounds a hair below the prices and a learnt bound that
+    rises as stages are priced."""
+    L, K, stage, link, *wants = random_case(seed, 2)
+    want = wants[objective == "max"]
+    gap, priced_gpus = 0.05, set()
+
+    def priced(k, a, b):
+        priced_gpus.add(k)
+        return stage(k, a, b)
+
+    def learnt(key):   # once a stage on GPU k was priced, each stage on k is known to 0.98 of its price
+        return 0.98 * stage(*key) if key[0] in priced_gpus else -math.inf
+    got = best_split(L, K, priced, link, objective, lambda k, a, b: 0.5 * stage(k, a, b), learnt=learnt, gap=gap)
+    if want == math.inf:
+        assert got is None
+        return
+    gpus = [k for k, _, _ in got.stages]
+    parts = [stage(*s) for s in got.stages] + [link(j, k) for j, k in zip(gpus, gpus[1:])]
+    assert (sum(parts) if objective == "sum" else max(parts)) == pytest.approx(got.cost_s, rel=1e-12)
+    assert want * (1 - 1e-12) <= got.cost_s <= want * (1 + gap)
+
+
+def test_where_every_split_costs_the_same_a_gap_prices_one_and_an_exact_search_them_all():
+    """40 equal layers over two equal GPUs of 25 layers each: every split from 15/25 to 25/15
+    costs the same. Once a stage is priced every stage of its GPU is known to 1e-6 of its price
+    (a line through the count MILPs, learnt from that price): within a gap of 1e-4, the first
+    split priced is returned; an exact search prices every split the bounds leave open."""
+    def stage(k, a, b):
+        return math.inf if b - a > 25 else float(b - a)
+
+    def search(gap):
+        seen = set()
+
+        def priced(k, a, b):
+            seen.add(k)
+            return stage(k, a, b)
+
+        def learnt(key):
+            return (1 - 1e-6) * stage(*key) if key[0] in seen else -math.inf
+        return best_split(40, 2, priced, lambda j, k: 0.25, "sum", lambda k, a, b: 0.5 * (b - a),
+                          learnt=learnt, gap=gap)
+    loose, exact = search(1e-4), search(0.0)
+    # both first price each GPU alone (40 layers at half a second a layer, no link: cheapest
+    # at the bounds; they do not fit), then one split of two stages; the exact search every one
+    assert loose.priced == 2 + 2 and len(loose.stages) == 2
+    assert exact.priced == 2 + 2 * 11
+    assert loose.cost_s == exact.cost_s == pytest.approx(40.25)
