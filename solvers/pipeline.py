@@ -39,8 +39,9 @@ optimistic optimum before it is priced: the DP runs again, and only a stage stil
 at its refined bound is priced. Where refining rarely tightens a bound (more than
 ``REFINE_SLACK`` wasted refinements beyond the useful ones), the search stops refining.
 
-With a ``gap`` (relative), the search stops as soon as a split made of priced stages costs at
-most ``1 + gap`` times the optimistic optimum: no split is cheaper by more than that. Stage
+With a ``gap`` (relative), the search stops as soon as a split it priced (an optimistic optimum
+of an earlier round) costs at most ``1 + gap`` times the optimistic optimum: no split is cheaper
+by more than that. It returns the best split of priced stages (ties broken as below). Stage
 prices that are MILPs solved to a relative gap are only that exact, and where many splits cost
 the same (layers beyond HBM, each adding the same seconds wherever it goes) but their bounds lie
 a hair below their prices, an exact search would price every one of them.
@@ -118,8 +119,8 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
     for (k, a, b), v in bound.items():
         opt[k][a][b] = v
     level: dict = {}  # key -> (value, priced) its stages were last set at
+    settled = (math.inf, ())   # the cheapest optimistic optimum priced so far, at its price (``gap``)
     exact = [[[math.inf] * (L + 1) for _ in range(L + 1)] for _ in range(K)]   # priced stages alone
-    settled = (math.inf, ())   # the cheapest split of priced stages (``gap``), after each pricing
 
     def lift(changed) -> None:   # the stages of keys whose price or bounds may have changed
         for x in changed:
@@ -144,8 +145,9 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         unpriced = [s for s in stages if keys[s] not in price]
         if not unpriced:
             return Split(stages, cost, len(price))
-        if settled[1] and settled[0] <= cost * (1 + gap):
-            return Split(settled[1], settled[0], len(price))
+        if settled[1] and settled[0] <= cost * (1 + gap):   # the best split of priced stages, ties as ever
+            done, stages = _cheapest(exact, links, L, K, objective)
+            return Split(stages, done, len(price))
         rough = _one_per_key([s for s in unpriced if refine is not None and keys[s] not in refined], keys)
         if rough:
             if prepare is not None:
@@ -175,7 +177,16 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
         else:
             lift({keys[s] for s in unpriced})
         if gap > 0:
-            settled = _cheapest(exact, links, L, K, objective)
+            done = _priced_cost(stages, price, keys, links, objective)
+            if done < settled[0]:
+                settled = (done, stages)
+
+
+def _priced_cost(stages: tuple, price: dict, keys: dict, links: dict, objective: str) -> float:
+    """The cost of the split ``stages``, every one of them priced."""
+    gpus = [k for k, _, _ in stages]
+    parts = [price[keys[s]] for s in stages] + [links[j, k] for j, k in zip(gpus, gpus[1:])]
+    return sum(parts) if objective == "sum" else max(parts)
 
 
 def _one_per_key(stages: list, keys: dict) -> list:
