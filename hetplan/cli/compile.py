@@ -76,7 +76,9 @@ Examples:
                    "identical layers): a deterministic limit (the same plan on every machine); when hit, "
                    "the status says node_limit with the MIP gap.")
 @click.option("--mip-gap", default=_DEFAULTS["mip_gap"].default, show_default=True, type=float, metavar="REL",
-              help="ILP relative optimality gap at which the search stops and calls the plan optimal.")
+              help="ILP relative optimality gap at which the search stops and calls the plan optimal "
+                   "(over several devices, also the pipeline split's: 0 solves every split that could be "
+                   "cheaper by any amount).")
 @click.option("--stream-cold-experts", is_flag=True,
               help="MoE models: let the ILP also stream a resident layer's CPU-side experts to the GPU "
                    "per phase (pays for long prefills; the MILP gets several times slower to solve).")
