@@ -39,9 +39,10 @@ its staging), a line over the whole range touches it below the step only and lie
 count beyond it. So the line is raised in steps: the MILP's plan at the count ``m*`` where it
 meets the line, and the same MILP solved again over ``[m* + 1, hi]``, whose bound ``W' >= W``
 holds there, up to ``LINE_STEPS`` MILPs; beyond the last step, the line of slope ``slope``
-through the MILP's first count there. The pipeline search prices the stages of one kind at many counts; with the line of each of their
-configurations, a count MILP stops at the first plan that reaches the line
-(``LayerModel.solve``'s ``floor_ms``) and a configuration whose line lies above the plan found is not solved.
+through the MILP's first count there. The pipeline search prices the stages of one kind at
+many counts; with the line of each of their configurations, a count MILP stops at the first
+plan that reaches the line (``LayerModel.solve``'s ``floor_ms``) and a configuration whose line
+lies above the plan found is not solved.
 
 Only for the objectives whose weights do not depend on the layer count (``latency``,
 ``throughput``: 1 and ``gen_len``; ``ttft``/``tpot`` weigh the other phase by the problem's
