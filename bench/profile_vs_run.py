@@ -29,7 +29,6 @@ equal the plan's prediction: the check that *now* is the sum the plan makes).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -64,19 +63,16 @@ def chain_s(per_op: dict, n_layers: int, overhead_s: float) -> float:
 
 def from_table(profile_json: Path, spec) -> tuple:
     """(op -> the profile's seconds at the prefill's x, the per-task overhead it measured)."""
-    from hetplan.profile.table import shape_key
+    from hetplan.profile.table import load_profile, shape_key
 
-    doc = json.loads(profile_json.read_text())
+    table = load_profile(profile_json)
     out = {}
-    for e in doc["entries"]:
-        if e["device"] != "cpu" or e["dtype"] != spec.weight_dtype or e["op"] not in set(CHAIN) | {"embed", "head"}:
-            continue
-        if e["shape"] != shape_key(e["op"], spec):
-            continue
-        for p in e["points"]:
-            if p["x"] == rows(e["op"]):
-                out[e["op"]] = p["seconds"]
-    return out, doc["info"]["task_overhead_s"]["cpu"]
+    for op in set(CHAIN) | {"embed", "head"}:
+        entry = table.entries.get(("cpu", op, spec.weight_dtype, shape_key(op, spec)))
+        point = next((p for p in entry.points if p.x == rows(op)), None) if entry else None
+        if point is not None:
+            out[op] = point.seconds
+    return out, table.info["task_overhead_s"]["cpu"]
 
 
 def main() -> int:

@@ -136,6 +136,13 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
                 for k, a, b in stages_of[x]:
                     known[k][a][b] = opt[k][a][b]
 
+    def relearn(changed) -> None:   # after refining or pricing the keys ``changed``
+        nonlocal taught
+        if learnt is not None:   # every key may have learnt from them
+            taught = {x: learnt(x) for x in stages_of}
+            changed = stages_of
+        lift(changed)
+
     while True:
         cost, stages = _cheapest(_raised(opt, known, L, K) if monotone else opt, links, L, K, objective)
         if not stages:
@@ -160,22 +167,14 @@ def best_split(n_layers: int, n_gpus: int, stage: Callable, link: Callable, obje
                         useful[tighter is not None and tighter > bound[s] * REFINED] += 1
             if useful[False] > useful[True] + REFINE_SLACK:   # it rarely tightens here: price instead
                 refine = None
-            if learnt is not None:
-                taught = {x: learnt(x) for x in stages_of}
-                lift(stages_of)
-            else:
-                lift({keys[s] for s in rough})
+            relearn({keys[s] for s in rough})
             continue
         if prepare is not None:
             prepare(_one_per_key(unpriced, keys), False)
         for s in unpriced:
             if keys[s] not in price:
                 price[keys[s]] = stage(*s)
-        if learnt is not None:   # what the prices taught (``prepare`` may learn from them too)
-            taught = {x: learnt(x) for x in stages_of}
-            lift(stages_of)
-        else:
-            lift({keys[s] for s in unpriced})
+        relearn({keys[s] for s in unpriced})   # what the prices taught (``prepare`` may learn from them too)
         if gap > 0:
             done = _priced_cost(stages, price, keys, links, objective)
             if done < settled[0]:

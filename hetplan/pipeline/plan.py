@@ -267,10 +267,10 @@ def plan_pipeline(spec: ModelSpec, hw, wl: Workload, solve_stage, objective: str
 
     def slopes(s) -> dict:   # {(depth, slot): the slope of its LP} of each configuration of priced
         # stage ``s`` whose LP lies below its price: where its kind of stage needs a count MILP
-        at, plan = key(*s), plans[key(*s), copies]
-        if plan is None or at not in relaxed:
+        at = key(*s)
+        if plans[at, copies] is None or at not in relaxed:
             return {}
-        price = seconds(plan.predicted["ttft_s"], plan.predicted["tpot_s"])
+        price = stage(*s)
         certs = learnt[family(at)].certs
         return {config: slope for config, value in relaxed[at].items() if value < price * (1 - TIE)
                 and (slope := next((c.slope() for c in certs.get(config, []) if c.n == at[1]), None)) is not None}
