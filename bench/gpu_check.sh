@@ -69,14 +69,18 @@ smoke() {
   "$PY" bench/gpu_check/smoke.py "$OUT"
 }
 
+# pytest in one process, whatever pyproject's addopts ask (its -n 2 needs pytest-xdist, which the
+# device's image may lack; the tests share one GPU anyway)
+run_pytest() { "$PY" -m pytest -o addopts= -q -p no:cacheprovider "$@"; }
+
 cuda_tests() {
   # every test with a CUDA parameter or a CUDA-only test: -k cuda selects both
-  "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -k "cuda" \
+  run_pytest -W ignore::DeprecationWarning -k "cuda" \
     tests/exec tests/moe tests/distributed
 }
 
 delays() {
-  "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/exec/test_delays.py -k cuda
+  run_pytest -W ignore::DeprecationWarning tests/exec/test_delays.py -k cuda
 }
 
 llama8b() {

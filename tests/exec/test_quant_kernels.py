@@ -207,3 +207,41 @@ def test_fp32_gemv_kernel_equals_fp32_matmul(shape, m):
     xd = x.view(m, -1).double().numpy()
     ref = xd @ w.double().numpy().T + bias.double().numpy()
     assert (np.abs(got.double().numpy() - ref) <= 1e-5 * (np.abs(xd) @ w.abs().double().numpy().T) + 1e-6).all()
+
+
+@pytest.fixture
+def two_threads():
+    """Decode kernels hand chunks of rows (about 256 KiB of weight bytes each) to whichever
+    thread is free; with two threads and weights of many chunks, every chunk must land once."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_over_many_chunks_of_rows(path, two_threads, fmt, m):
+    """Two fused segments of 300 and 333 rows of 4096 (6 to 40 chunks, one across the segments'
+    boundary) on the fp32 paths, against x @ decode(bytes)^T."""
+    a, b = weights((300, 4096), 15), weights((333, 4096), 16)
+    x = torch.randn(m, 4096)
+    got = linear(x, PackedLinear.cat([packed(fmt, a), packed(fmt, b)]))
+    ref = np.concatenate([reference(x, fmt, a), reference(x, fmt, b)], axis=1)
+    assert_close(got, ref, x, torch.cat([a, b]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_decode_over_many_chunks_of_rows(two_threads, dtype):
+    """fp32 and 16-bit weights at a decode-sized x (16 rows of 4096 fp32 a chunk): within fp32
+    accumulation of x @ w^T on the weights as stored."""
+    if native.module() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable()}")
+    w, x = weights((1000, 4096), 17).to(dtype), torch.randn(3, 4096).to(dtype)
+    if not klinear._native_dense(x, w):
+        pytest.skip("this CPU multiplies this dtype with torch's GEMV")
+    xd, wd = x.double().numpy(), w.double().numpy()
+    got = linear(x, w).double().numpy()
+    ulp = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]   # the output's rounding
+    ref = xd @ wd.T
+    assert (np.abs(got - ref) <= 1e-5 * (np.abs(xd) @ np.abs(wd).T) + ulp * np.abs(ref) + 1e-6).all()

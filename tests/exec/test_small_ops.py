@@ -72,7 +72,7 @@ def test_silu_mul_is_torchs(dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,heads,kv_heads,hd,length", [(1, 32, 8, 64, 1), (2, 8, 2, 64, 37), (3, 6, 6, 16, 300),
-                                                             (1, 4, 1, 128, 2000)])
+                                                             (1, 4, 1, 128, 2000), (2, 4, 2, 20, 9)])
 def test_decode_attention_over_cache_views(dtype, batch, heads, kv_heads, hd, length):
     """Against softmax(q k^T / sqrt(hd)) v in fp64 on the same (rounded) inputs, the caches read
     as views of longer buffers; the output rounds once to the dtype."""

@@ -13,8 +13,9 @@
 // q4_0 / int4's "- 8" starts the accumulator at -8 x the lane's sum of qx; q4_k_m's offset
 // -dmin m_b is sum_b (-dmin m_b) dx_b S_b with S_b the sum of qx over block b.
 // Numerics are prefill's: |y - x @ W^T| <= sum_b (max|x_b| / 254) sum_{t in b} |w_t|, plus
-// fp32 accumulation. Work: threads take ranges of output rows; each weight byte is read once
-// per call and multiplied with all M rows of x while it is in registers.
+// fp32 accumulation. Work: threads take chunks of output rows as they come free (dynamic_for);
+// each weight byte is read once per call and multiplied with all M rows of x while it is in
+// registers.
 
 #ifdef HETPLAN_VNNI
 
@@ -214,7 +215,7 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
 template <int FMT>
 void vnni_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
   const XD q = quantise_xd<FMT>(x, M, segs[0].r.K);
-  at::parallel_for(0, N, 16, [&](int64_t a, int64_t e) {
+  dynamic_for(N, chunk_rows(row_bytes(segs[0].r)), [&](int64_t a, int64_t e) {
     over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
       const Rows& r = g.r;
       float* yg = y + g.off;

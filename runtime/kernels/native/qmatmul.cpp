@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
+#include <atomic>
 #include <cstring>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -153,6 +154,42 @@ Rows rows_of(int64_t fmt, int64_t K, const std::vector<torch::Tensor>& parts) {
 }
 
 constexpr int64_t SMALL_M = 8;   // rows of x up to which the direct kernel runs
+
+// Weight bytes a decode thread takes at a time (dynamic_for's chunk).
+constexpr int64_t CHUNK_BYTES = int64_t(1) << 18;
+
+// f(a, e) over [0, n) in chunks of `chunk` items, each handed to whichever of torch's intra-op
+// threads is free next (an atomic counter), not one fixed share per thread: on a shared host a
+// vCPU held up for a few milliseconds in the middle of a GEMV delays only the chunk it holds,
+// while the other threads take the rest. Inline where there is one thread or one chunk.
+template <class F>
+inline void dynamic_for(int64_t n, int64_t chunk, F f) {
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) f(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      f(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
+
+// Bytes of one row of K weights in format r.fmt (scales included; int8 / int4's one fp32 scale per
+// row left out).
+inline int64_t row_bytes(const Rows& r) {
+  static constexpr int64_t per32[] = {34, 18, 32, 16, 18, 64, 64, 128};   // by Fmt
+  return (r.K + 31) / 32 * per32[r.fmt];
+}
+
+// Rows of a weight per dynamic_for chunk: about CHUNK_BYTES of them, a multiple of 16.
+inline int64_t chunk_rows(int64_t row_bytes) {
+  return std::max<int64_t>(16, CHUNK_BYTES / std::max<int64_t>(1, row_bytes) / 16 * 16);
+}
 
 // f(std::integral_constant<int, fmt>{}) for a quantised format: the kernels' format as a
 // compile-time constant.
@@ -455,7 +492,7 @@ void dequantise_rows(const Rows& r, int64_t n0, int64_t a, int64_t e, float* o) 
 // y [M, N] (N the segments' rows together) for M <= SMALL_M, one parallel region for all segments.
 template <int FMT>
 void direct_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, int64_t Kp, float* y) {
-  at::parallel_for(0, N, 16, [&](int64_t a, int64_t e) {
+  dynamic_for(N, chunk_rows(row_bytes(segs[0].r)), [&](int64_t a, int64_t e) {
     over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
       const Rows& r = g.r;
       float* yg = y + g.off;
