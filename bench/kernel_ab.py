@@ -3,7 +3,7 @@
     python bench/kernel_ab.py --base HEAD~1 [--rounds 6] [--formats fp32,bf16,q8_0,q4_0]
 
 Both sources (``runtime/kernels/native`` at ``--base``, read with ``git show``, and as it is on
-disk) are built as this CPU's runtime builds them (``-O3 -march=native -fopenmp``) under two
+disk) are built as this CPU's runtime builds them (``native.CFLAGS``) under two
 module names in a scratch directory, so one process holds both. On the 0.85 B bench model's
 decode shapes (``bench/exec_cpu.py``: qkv [3072, 2048], o [2048, 2048], gate_up [11264, 2048],
 down [2048, 5632], and the head [32000, 2048] in fp32) each pass multiplies one row of x with
@@ -37,13 +37,14 @@ def build(tag: str, files: dict, where: Path):
     """Compile ``files`` (name -> text) as module ``qm_<tag>``."""
     from torch.utils import cpp_extension
 
+    from hetplan.runtime.kernels.native import CFLAGS, LDFLAGS
+
     d = where / tag
     d.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (d / name).write_text(text)
     return cpp_extension.load(name=f"qm_{tag}", sources=[str(d / "qmatmul.cpp")], build_directory=str(d),
-                              extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
+                              extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
 
 
 def sources(base: str | None) -> dict:

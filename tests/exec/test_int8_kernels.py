@@ -23,7 +23,7 @@ from hetplan.runtime.kernels import linear as klinear
 from hetplan.runtime.kernels import native, quant
 from hetplan.runtime.kernels.linear import PackedLinear, linear
 from tests.exec import quant_spec
-from tests.exec.test_quant_kernels import FORMATS, packed, weights
+from tests.exec.test_quant_kernels import FORMATS, packed, two_threads, weights  # noqa: F401 - fixture
 
 SHAPES = [(7, 33), (40, 100), (33, 300), (64, 512), (5, 17), (19, 520), (21, 1000)]
 
@@ -169,16 +169,11 @@ def test_decode_logits_within_activation_rounding_of_transformers(int8, tmp_path
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [1, 6])
-def test_int8_decode_over_many_chunks_of_rows(int8, fmt, m):
+def test_int8_decode_over_many_chunks_of_rows(int8, two_threads, fmt, m):
     """Two threads taking chunks of rows (about 256 KiB of weight bytes each) as they come free:
     a fused weight of 300 + 333 rows of 4096 (6 to 13 chunks, one across the segments' boundary)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        a, b = weights((300, 4096), 18), weights((333, 4096), 19)
-        x = torch.randn(m, 4096)
-        got = linear(x, PackedLinear.cat([packed(fmt, a), packed(fmt, b)])).double().numpy()
-    finally:
-        torch.set_num_threads(before)
+    a, b = weights((300, 4096), 18), weights((333, 4096), 19)
+    x = torch.randn(m, 4096)
+    got = linear(x, PackedLinear.cat([packed(fmt, a), packed(fmt, b)])).double().numpy()
     xd, wd = x.double().numpy(), np.concatenate([decoded(fmt, a), decoded(fmt, b)])
     assert (np.abs(got - xd @ wd.T) <= rounding_bound(xd, wd) + fp32_bound(xd, wd)).all()

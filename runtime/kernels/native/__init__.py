@@ -26,6 +26,9 @@ HEADERS = tuple(Path(__file__).with_name(h) for h in ("qint8.h", "qdecode.h", "q
 NAME = "hetplan_qmatmul"
 BUILD_SCHEME = b"source copied into the build directory; OpenMP"
 """Part of the build directory's key: builds made another way are not reused."""
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+"""How the kernel is compiled and linked (for this CPU, with OpenMP)."""
 _state: dict = {}
 
 
@@ -67,8 +70,7 @@ def module():
             _copy(original, where / original.name)
         source = where / SOURCE.name
         mod = cpp_extension.load(name=NAME, sources=[str(source)], build_directory=str(where),
-                                 extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                                 extra_ldflags=["-fopenmp"], verbose=False)
+                                 extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
         _state.update(module=mod, why=None)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs instead
         _state.update(module=None, why=f"the native kernel did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})")

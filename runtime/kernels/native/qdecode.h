@@ -215,7 +215,7 @@ void vnni_rows(const Rows& r, const XD& q, float* y, int64_t ldy, int64_t n0, in
 template <int FMT>
 void vnni_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
   const XD q = quantise_xd<FMT>(x, M, segs[0].r.K);
-  dynamic_for(N, chunk_rows(row_bytes(segs[0].r)), [&](int64_t a, int64_t e) {
+  dynamic_for(N, chunk_rows(segs[0].r), [&](int64_t a, int64_t e) {
     over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
       const Rows& r = g.r;
       float* yg = y + g.off;

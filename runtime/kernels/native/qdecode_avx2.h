@@ -15,8 +15,8 @@
 // -sum_b dmin m_b dx_b S_b (S_b the sum of qx over block b, exact).
 // Numerics are prefill's: |y - x @ W^T| <= sum_b (max|x_b| / 254) sum_{t in b} |w_t|, plus
 // fp32 accumulation. Work: threads take chunks of output rows as they come free (dynamic_for).
-// Decode (M <= SMALL_M): each weight byte is read once per call (streamed ahead past L2/L3 as the fp32 path does) and multiplied
-// with all M rows of x in registers. Prefill: a panel of PREFILL_PANEL weight rows is read from
+// Decode (M <= SMALL_M): each weight byte is read once per call (streamed ahead past L2/L3 as the
+// fp32 path does) and multiplied with all M rows of x in registers. Prefill: a panel of PREFILL_PANEL weight rows is read from
 // DRAM once and multiplied with PREFILL_ROWS rows of x at a time from L1/L2 (on a 2-core AVX2
 // EPYC about twice the GFLOP/s of dequantised fp32 tiles under torch's GEMM at 64 rows).
 
@@ -209,7 +209,7 @@ constexpr int64_t PREFILL_PANEL = 16;  // weight rows a pass takes: read from DR
 template <int FMT>
 void avx2_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, float* y) {
   const XQ q = quantise_xq<FMT>(x, M, segs[0].r.K);
-  dynamic_for(N, chunk_rows(row_bytes(segs[0].r)), [&](int64_t a, int64_t e) {
+  dynamic_for(N, chunk_rows(segs[0].r), [&](int64_t a, int64_t e) {
     over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
       float* yg = y + g.off;
       if (M <= SMALL_M) return avx2_group<FMT, true>(g.r, q, 0, M, yg, N, n0, n1);

@@ -179,15 +179,11 @@ inline void dynamic_for(int64_t n, int64_t chunk, F f) {
   });
 }
 
-// Bytes of one row of K weights in format r.fmt (scales included; int8 / int4's one fp32 scale per
-// row left out).
-inline int64_t row_bytes(const Rows& r) {
-  static constexpr int64_t per32[] = {34, 18, 32, 16, 18, 64, 64, 128};   // by Fmt
-  return (r.K + 31) / 32 * per32[r.fmt];
-}
-
-// Rows of a weight per dynamic_for chunk: about CHUNK_BYTES of them, a multiple of 16.
-inline int64_t chunk_rows(int64_t row_bytes) {
+// Rows of weight r per dynamic_for chunk: about CHUNK_BYTES of them (a row's bytes with its
+// scales; int8 / int4's one fp32 scale per row left out), a multiple of 16.
+inline int64_t chunk_rows(const Rows& r) {
+  static constexpr int64_t per32[] = {34, 18, 32, 16, 18, 64, 64, 128};   // bytes per 32 weights, by Fmt
+  const int64_t row_bytes = (r.K + 31) / 32 * per32[r.fmt];
   return std::max<int64_t>(16, CHUNK_BYTES / std::max<int64_t>(1, row_bytes) / 16 * 16);
 }
 
@@ -492,7 +488,7 @@ void dequantise_rows(const Rows& r, int64_t n0, int64_t a, int64_t e, float* o) 
 // y [M, N] (N the segments' rows together) for M <= SMALL_M, one parallel region for all segments.
 template <int FMT>
 void direct_fmt(const std::vector<Seg>& segs, const float* x, int64_t M, int64_t N, int64_t Kp, float* y) {
-  dynamic_for(N, chunk_rows(row_bytes(segs[0].r)), [&](int64_t a, int64_t e) {
+  dynamic_for(N, chunk_rows(segs[0].r), [&](int64_t a, int64_t e) {
     over_segments(segs, a, e, [&](const Seg& g, int64_t n0, int64_t n1) {
       const Rows& r = g.r;
       float* yg = y + g.off;
